@@ -1,0 +1,28 @@
+# One virtual environment holds the three packages; CPU torch is pinned so that a
+# fresh machine does not pull a multi-GB CUDA build.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_CPU := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test proto clean
+
+venv: $(STAMP)
+
+$(STAMP): shared/pyproject.toml edge/pyproject.toml server/pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install $(TORCH_CPU)
+	$(PY) -m pip install -e 'shared[test]' -e edge -e server
+	touch $(STAMP)
+
+# Regenerate the committed gRPC stubs from proto/ (a test checks they are current).
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

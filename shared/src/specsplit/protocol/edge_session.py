@@ -1,0 +1,142 @@
+"""Edge side of one generation: its trajectory, the lookahead window, what to send.
+
+The edge drafts ahead of the committed point by at most `window` tokens and never
+waits for verdicts. A verdict that contradicts its trajectory rolls the trajectory
+back to the committed point; the drafter then re-syncs its KV cache from there.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from specsplit.protocol import errors
+from specsplit.protocol.hashing import HashedSequence
+from specsplit.protocol.messages import Done, DraftChunk, SparseDist, Verdict
+
+
+class EdgeSession:
+    def __init__(self, prompt_ids: Sequence[int], window: int, committed_ids: Sequence[int] = ()) -> None:
+        if window < 1:
+            raise ValueError("the lookahead window must be at least 1")
+        self.prompt_len = len(prompt_ids)
+        self.window = window
+        self._seq = HashedSequence([*prompt_ids, *committed_ids])
+        self.committed_len = len(self._seq)
+        self.sent_len = self.committed_len
+        self._dists: list[SparseDist | None] = []  # one per speculative position
+        self._chunks_sent = 0
+        self._in_flight: deque[tuple[int, int]] = deque()  # (chunk index, end position)
+        self.done: Done | None = None
+        self.drafted = 0
+        self.wasted = 0  # drafted tokens thrown away by rollbacks
+        self.resends = 0
+
+    # -- views -----------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """Committed + speculative tokens; do not mutate."""
+        return self._seq.tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return self._seq.tokens[self.prompt_len : self.committed_len]
+
+    @property
+    def speculative(self) -> int:
+        return len(self._seq) - self.committed_len
+
+    def room(self) -> int:
+        """How many more tokens may be drafted before a verdict opens the window."""
+        return 0 if self.done is not None else self.window - self.speculative
+
+    # -- drafting and sending --------------------------------------------------
+
+    def push_draft(self, token: int, dist: SparseDist | None = None) -> None:
+        if self.room() <= 0:
+            raise ValueError("the lookahead window is full")
+        self._seq.append(token)
+        self._dists.append(dist)
+        self.drafted += 1
+
+    def next_chunk(self, max_tokens: int | None = None) -> DraftChunk | None:
+        """Drafts not yet sent, as one chunk (None if there are none)."""
+        if self.done is not None or self.sent_len >= len(self._seq):
+            return None
+        start = self.sent_len
+        end = len(self._seq) if max_tokens is None else min(len(self._seq), start + max_tokens)
+        spec = slice(start - self.committed_len, end - self.committed_len)
+        dists = self._dists[spec]
+        chunk = DraftChunk(
+            start=start,
+            tokens=tuple(self._seq.tokens[start:end]),
+            parent_hash=self._seq.hash_before(start),
+            dists=tuple(dists) if all(d is not None for d in dists) else (),  # type: ignore[arg-type]
+        )
+        self._in_flight.append((self._chunks_sent, end))
+        self._chunks_sent += 1
+        self.sent_len = end
+        return chunk
+
+    # -- verdicts in -----------------------------------------------------------
+
+    def apply_verdict(self, verdict: Verdict) -> int | None:
+        """Commit a verdict; returns the first position whose token changed or was
+        added (the drafter re-syncs its cache from there), or None if the verdict
+        only confirmed drafts."""
+        if verdict.start != self.committed_len:
+            raise errors.VerdictOutOfOrder(
+                f"verdict starts at {verdict.start} but the committed point is {self.committed_len}"
+            )
+        new = verdict.tokens
+        spec = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
+        agree = 0
+        while agree < len(spec) and spec[agree] == new[agree]:
+            agree += 1
+        resync: int | None = None
+        if agree < len(new):
+            resync = self.committed_len + agree
+            self.wasted += len(self._seq) - resync
+            self._seq.truncate(resync)
+            del self._dists[agree:]
+            self._seq.extend(new[agree:])
+            self._dists.extend([None] * (len(new) - agree))
+            if agree < len(spec):
+                # Everything sent past the divergence is stale on the server too.
+                self.sent_len = resync
+                self._in_flight.clear()
+        del self._dists[: len(new)]
+        self.committed_len += len(new)
+        self.sent_len = max(self.sent_len, self.committed_len)
+        self._resend_if_dropped(verdict)
+        return resync
+
+    def _resend_if_dropped(self, verdict: Verdict) -> None:
+        """If the server held less than the chunks it had received should have given
+        it, something was dropped there (say, after a reconnect): send it again."""
+        expected_tip = None
+        while self._in_flight and self._in_flight[0][0] < verdict.chunks_received:
+            expected_tip = self._in_flight.popleft()[1]
+        if expected_tip is None:
+            return
+        expected_tip = min(expected_tip, len(self._seq))
+        if verdict.candidate_tip < expected_tip:
+            self.sent_len = max(self.committed_len, min(self.sent_len, verdict.candidate_tip))
+            self._in_flight.clear()
+            self.resends += 1
+
+    def apply_done(self, done: Done) -> None:
+        if done.committed_length != self.committed_len:
+            raise errors.VerdictOutOfOrder(
+                f"Done says {done.committed_length} tokens are committed, the edge has {self.committed_len}"
+            )
+        self.wasted += self.speculative
+        self._seq.truncate(self.committed_len)
+        self._dists.clear()
+        self.done = done
+
+    def reconnect(self) -> None:
+        """A new stream: the new server session holds nothing past the committed point."""
+        self.sent_len = self.committed_len
+        self._chunks_sent = 0
+        self._in_flight.clear()

@@ -1,0 +1,140 @@
+"""Protocol events as plain dataclasses; `specsplit.protocol.codec` maps them to protobuf."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from specsplit.protocol.errors import InvalidOpen
+
+
+class VerificationMode(enum.IntEnum):
+    GREEDY = 1
+    MATCH = 2
+    SPARSE_Q = 3
+
+
+class DraftMode(enum.IntEnum):
+    ASYNC = 1
+    SYNC = 2
+    NONE = 3
+
+
+class DoneReason(enum.IntEnum):
+    EOS = 1
+    STOP = 2
+    LENGTH = 3
+    CONTEXT = 4
+    CANCELLED = 5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0  # 0 or 1: off
+    top_k: int = 0  # 0: off
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0 or self.temperature > 100:
+            raise InvalidOpen(f"temperature must be in [0, 100], got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
+            raise InvalidOpen(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidOpen(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidOpen(f"seed must fit in 64 unsigned bits, got {self.seed}")
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    """A draft's top-k truncated distribution at one position (sparse-q mode)."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def prob_of(self, token: int) -> float:
+        for i, p in zip(self.ids, self.probs):
+            if i == token:
+                return p
+        return 0.0
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_ids: tuple[int, ...] = ()
+    verification: VerificationMode | None = None  # None: greedy at T=0, else match
+    draft_mode: DraftMode = DraftMode.ASYNC
+    draft_model: str = ""
+    tokenizer_fingerprint: str = ""
+    committed_ids: tuple[int, ...] = ()  # resuming an interrupted generation
+
+    def resolved_mode(self) -> VerificationMode:
+        if self.sampling.greedy:
+            return VerificationMode.GREEDY
+        if self.verification in (None, VerificationMode.GREEDY):
+            if self.verification is VerificationMode.GREEDY:
+                raise InvalidOpen("verification mode greedy needs temperature 0")
+            return VerificationMode.MATCH
+        return self.verification
+
+
+@dataclass(frozen=True)
+class DraftChunk:
+    start: int
+    tokens: tuple[int, ...]
+    parent_hash: int
+    dists: tuple[SparseDist, ...] = ()
+
+
+@dataclass(frozen=True)
+class Opened:
+    session_id: str
+    target_model: str
+    max_context: int
+    max_lookahead: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    start: int
+    tokens: tuple[int, ...]
+    accepted: int
+    proposed: int
+    candidate_tip: int
+    verifications: int = 0
+    chunks_received: int = 0
+    drafts_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class Done:
+    reason: DoneReason
+    committed_length: int
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one server allows a session; sent back in `Opened` where the edge needs it."""
+
+    vocab_size: int
+    max_context: int
+    max_lookahead: int = 64
+    max_chunk: int = 64
+    max_new_tokens: int = 4096
+    eos_ids: tuple[int, ...] = field(default_factory=tuple)
+    target_model: str = ""
+    tokenizer_fingerprint: str = ""  # empty: accept any

@@ -1,0 +1,310 @@
+"""Server side of one generation: committed tokens, the candidate cache, verification.
+
+The session holds one trajectory: the committed tokens followed by admitted
+candidates, with a rolling hash per position. A draft chunk is admitted only if its
+parent hash equals the session's hash just before the chunk's start, so chunks
+drafted on a trajectory the server has since contradicted drop out by themselves.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specsplit.protocol import errors
+from specsplit.protocol.hashing import HashedSequence
+from specsplit.protocol.messages import (
+    Close,
+    Done,
+    DoneReason,
+    DraftChunk,
+    Opened,
+    OpenRequest,
+    ServerLimits,
+    SparseDist,
+    Verdict,
+    VerificationMode,
+)
+from specsplit.protocol.verification import verify
+
+
+@dataclass(frozen=True)
+class VerifyTask:
+    """Verify `drafts` at positions start.. ; with no drafts, an autoregressive step."""
+
+    start: int
+    drafts: tuple[int, ...]
+    dists: tuple[SparseDist, ...] = ()
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise errors.TokenOutOfVocab(f"{what} holds token id {t} outside the vocabulary [0, {vocab_size})")
+
+
+class ServerSession:
+    def __init__(self, request: OpenRequest, limits: ServerLimits, session_id: str = "") -> None:
+        self.session_id = session_id
+        self.request = request
+        self.limits = limits
+        self.mode = self._validate_open(request, limits)
+        self.prompt_len = len(request.prompt_ids)
+        self.max_new = request.max_new_tokens
+        self._seq = HashedSequence(request.prompt_ids + request.committed_ids)
+        # Positions before the floor were fixed when the session opened; no draft may touch them.
+        self.floor = len(self._seq)
+        self.committed_len = len(self._seq)
+        self._dists: list[SparseDist | None] = []  # one per candidate position
+        self.done: Done | None = None
+        self.verifications = 0
+        self.chunks_received = 0
+        self.drafts_received = 0
+        self.drafts_dropped = 0
+        self.drafts_accepted = 0
+        if request.committed_ids:
+            # A resumed generation may already have ended before the reconnect.
+            _, reason = self._termination([request.committed_ids[-1]], already_committed=True)
+            if reason is not None:
+                self.done = Done(reason, self.committed_len)
+
+    @staticmethod
+    def _validate_open(req: OpenRequest, limits: ServerLimits) -> VerificationMode:
+        if limits.tokenizer_fingerprint and req.tokenizer_fingerprint != limits.tokenizer_fingerprint:
+            raise errors.FingerprintMismatch(
+                f"tokenizer of draft model {req.draft_model or '(unnamed)'} "
+                f"(fingerprint {req.tokenizer_fingerprint or 'none'}) differs from the tokenizer of target "
+                f"model {limits.target_model or '(unnamed)'} (fingerprint {limits.tokenizer_fingerprint})"
+            )
+        if not req.prompt_ids:
+            raise errors.InvalidOpen("prompt_ids is empty: send at least one token")
+        _check_ids(req.prompt_ids, limits.vocab_size, "prompt_ids")
+        _check_ids(req.committed_ids, limits.vocab_size, "committed_ids")
+        _check_ids(req.stop_ids, limits.vocab_size, "stop_ids")
+        req.sampling.validate()
+        if req.max_new_tokens <= 0:
+            raise errors.InvalidOpen("max_new_tokens must be at least 1")
+        if req.max_new_tokens > limits.max_new_tokens:
+            raise errors.InvalidOpen(
+                f"max_new_tokens {req.max_new_tokens} exceeds this server's limit of {limits.max_new_tokens}"
+            )
+        length = len(req.prompt_ids) + len(req.committed_ids)
+        if length >= limits.max_context and not req.committed_ids:
+            raise errors.PromptTooLong(
+                f"prompt of {length} tokens leaves no room in the target's context of {limits.max_context}"
+            )
+        return req.resolved_mode()
+
+    # -- views -----------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        """The whole trajectory (committed + candidates); do not mutate."""
+        return self._seq.tokens
+
+    @property
+    def candidates(self) -> list[int]:
+        return self._seq.tokens[self.committed_len :]
+
+    @property
+    def generated(self) -> list[int]:
+        return self._seq.tokens[self.prompt_len : self.committed_len]
+
+    @property
+    def candidate_tip(self) -> int:
+        return len(self._seq)
+
+    def opened(self) -> Opened:
+        return Opened(
+            session_id=self.session_id,
+            target_model=self.limits.target_model,
+            max_context=self.limits.max_context,
+            max_lookahead=self.limits.max_lookahead,
+            vocab_size=self.limits.vocab_size,
+        )
+
+    # -- drafts in -------------------------------------------------------------
+
+    def _truncate(self, length: int) -> None:
+        self._seq.truncate(length)
+        del self._dists[max(0, length - self.committed_len) :]
+
+    def _validate_draft(self, chunk: DraftChunk) -> None:
+        if not chunk.tokens:
+            raise errors.MalformedDraft("draft chunk carries no tokens")
+        if len(chunk.tokens) > self.limits.max_chunk:
+            raise errors.DraftTooLarge(
+                f"draft chunk of {len(chunk.tokens)} tokens exceeds the limit of {self.limits.max_chunk}"
+            )
+        _check_ids(chunk.tokens, self.limits.vocab_size, "draft chunk")
+        if self.mode is VerificationMode.SPARSE_Q:
+            if len(chunk.dists) != len(chunk.tokens):
+                raise errors.MalformedDraft(
+                    f"sparse-q needs one distribution per draft token: {len(chunk.tokens)} tokens, "
+                    f"{len(chunk.dists)} distributions"
+                )
+            for tok, dist in zip(chunk.tokens, chunk.dists):
+                self._validate_dist(tok, dist)
+        elif chunk.dists:
+            raise errors.MalformedDraft("draft distributions are only accepted in sparse-q mode")
+        if chunk.start < self.floor:
+            raise errors.PositionBehindCommitted(
+                f"draft starts at position {chunk.start}, inside the prompt and resumed prefix "
+                f"(which end at {self.floor})"
+            )
+        end = chunk.start + len(chunk.tokens)
+        limit = self.committed_len + self.limits.max_lookahead
+        if end > limit:
+            raise errors.BeyondLookahead(
+                f"draft reaches position {end}, past the lookahead limit {limit} "
+                f"(committed {self.committed_len} + {self.limits.max_lookahead})"
+            )
+
+    def _validate_dist(self, token: int, dist: SparseDist) -> None:
+        if len(dist.ids) != len(dist.probs) or not dist.ids:
+            raise errors.MalformedDraft("a draft distribution needs as many ids as probs, at least one")
+        _check_ids(dist.ids, self.limits.vocab_size, "draft distribution")
+        if not all(math.isfinite(p) and 0.0 < p <= 1.0 for p in dist.probs):
+            raise errors.MalformedDraft("draft probabilities must lie in (0, 1]")
+        if sum(dist.probs) > 1.0 + 1e-3:
+            raise errors.MalformedDraft(f"draft probabilities sum to {sum(dist.probs):.4f} > 1")
+        if dist.prob_of(token) <= 0.0:
+            raise errors.MalformedDraft(f"draft token {token} is missing from its own distribution")
+
+    def receive_draft(self, chunk: DraftChunk) -> int:
+        """Admit what can be trusted of a chunk; returns how many new candidates it added.
+
+        Raises a ProtocolError for a malformed chunk. A chunk drafted on another
+        trajectory (wrong parent hash, a gap, or a contradiction of committed tokens)
+        is dropped silently: that is the normal fate of drafts in flight during a correction.
+        """
+        self.chunks_received += 1
+        if self.done is not None:
+            return 0
+        self._validate_draft(chunk)
+        self.drafts_received += len(chunk.tokens)
+        if chunk.start > len(self._seq) or chunk.parent_hash != self._seq.hash_before(chunk.start):
+            self.drafts_dropped += len(chunk.tokens)
+            return 0
+        admitted = 0
+        for j, tok in enumerate(chunk.tokens):
+            pos = chunk.start + j
+            if pos < len(self._seq):
+                if self._seq.tokens[pos] == tok:
+                    continue  # already held (a resend or a confirmed draft)
+                if pos < self.committed_len:
+                    self.drafts_dropped += len(chunk.tokens) - j
+                    return admitted
+                # The edge re-drafted from here after a rollback: its new trajectory wins.
+                self._truncate(pos)
+            self._seq.append(tok)
+            self._dists.append(chunk.dists[j] if chunk.dists else None)
+            admitted += 1
+        return admitted
+
+    # -- verification ----------------------------------------------------------
+
+    def next_task(self, max_drafts: int) -> VerifyTask | None:
+        """The next verification: up to max_drafts candidates, or an AR step if none."""
+        if self.done is not None:
+            return None
+        remaining_new = self.max_new - (self.committed_len - self.prompt_len)
+        room = self.limits.max_context - self.committed_len
+        n = max(0, min(max_drafts, len(self._seq) - self.committed_len, remaining_new - 1, room - 1))
+        dists = tuple(self._dists[:n]) if self.mode is VerificationMode.SPARSE_Q else ()
+        return VerifyTask(self.committed_len, tuple(self._seq.tokens[self.committed_len : self.committed_len + n]), dists)  # type: ignore[arg-type]
+
+    def _termination(self, new: Sequence[int], already_committed: bool = False) -> tuple[int, DoneReason | None]:
+        """How many of the new tokens to commit, and why the session ends, if it does."""
+        base = self.committed_len - len(new) if already_committed else self.committed_len
+        for i, tok in enumerate(new):
+            length = base + i + 1
+            if tok in self.limits.eos_ids:
+                return i + 1, DoneReason.EOS
+            if tok in self.request.stop_ids:
+                return i + 1, DoneReason.STOP
+            if length - self.prompt_len >= self.max_new:
+                return i + 1, DoneReason.LENGTH
+            if length >= self.limits.max_context:
+                return i + 1, DoneReason.CONTEXT
+        return len(new), None
+
+    def apply(self, task: VerifyTask, logits: np.ndarray) -> list[Verdict | Done]:
+        """Commit the outcome of verifying `task` with the target's logits for it."""
+        if self.done is not None:
+            return []
+        if task.start != self.committed_len:
+            raise RuntimeError(f"stale task at {task.start}, committed point is {self.committed_len}")
+        outcome = verify(logits, task.drafts, task.start, self.request.sampling, self.mode, task.dists)
+        new = [*task.drafts[: outcome.accepted], outcome.token]
+        cut, reason = self._termination(new)
+        new = new[:cut]
+        accepted = min(outcome.accepted, cut)
+        # Keep candidates beyond the new tokens only if they continue the committed trajectory.
+        held = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
+        agree = 0
+        while agree < len(held) and held[agree] == new[agree]:
+            agree += 1
+        if agree < len(new):
+            self._truncate(self.committed_len + agree)
+            self._seq.extend(new[agree:])
+            self._dists.extend([None] * (len(new) - agree))
+        del self._dists[: len(new)]
+        self.committed_len += len(new)
+        self.verifications += 1
+        self.drafts_accepted += accepted
+        events: list[Verdict | Done] = [
+            Verdict(
+                start=task.start,
+                tokens=tuple(new),
+                accepted=accepted,
+                proposed=len(task.drafts),
+                candidate_tip=len(self._seq) if reason is None else self.committed_len,
+                verifications=self.verifications,
+                chunks_received=self.chunks_received,
+                drafts_dropped=self.drafts_dropped,
+            )
+        ]
+        if reason is not None:
+            self._finish(reason)
+            events.append(self.done)  # type: ignore[arg-type]
+        return events
+
+    def _finish(self, reason: DoneReason) -> None:
+        self._truncate(self.committed_len)
+        self.done = Done(reason, self.committed_len)
+
+    def cancel(self) -> Done | None:
+        """The edge closed or went away; returns the Done to send if still open."""
+        if self.done is not None:
+            return None
+        self._finish(DoneReason.CANCELLED)
+        return self.done
+
+
+class ServerConnection:
+    """One stream: Open exactly once, then drafts, then an optional Close."""
+
+    def __init__(self, limits: ServerLimits, session_id: str) -> None:
+        self.limits = limits
+        self.session_id = session_id
+        self.session: ServerSession | None = None
+
+    def receive(self, event: OpenRequest | DraftChunk | Close) -> list[Opened | Done]:
+        if isinstance(event, OpenRequest):
+            if self.session is not None:
+                raise errors.SecondOpen("this stream already has a session; Open is sent once, first")
+            self.session = ServerSession(event, self.limits, self.session_id)
+            out: list[Opened | Done] = [self.session.opened()]
+            if self.session.done is not None:
+                out.append(self.session.done)
+            return out
+        if self.session is None:
+            raise errors.DraftBeforeOpen("the first message of a stream must be Open")
+        if isinstance(event, DraftChunk):
+            self.session.receive_draft(event)
+            return []
+        done = self.session.cancel()
+        return [done] if done is not None else []

@@ -1,0 +1,71 @@
+"""Exact verification of a run of draft tokens against target logits.
+
+Greedy accepts while the draft equals the target's argmax. `match` treats each draft
+token as a point-mass proposal: accept with probability p(x), on rejection sample
+from norm(max(0, p - onehot(x))). `sparse-q` uses the draft's top-k truncated q:
+accept with min(1, p(x)/q(x)), on rejection sample from norm(max(0, p - q)).
+Either way the committed token follows the target's processed distribution p exactly.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specsplit.protocol.messages import SamplingParams, SparseDist, VerificationMode
+from specsplit.protocol.sampling import position_rng, process_logits, sample_from
+
+
+@dataclass(frozen=True)
+class Outcome:
+    accepted: int  # leading drafts accepted
+    token: int  # the target's token after them: a correction or the bonus
+
+
+def residual(p: np.ndarray, draft: int, dist: SparseDist | None) -> np.ndarray:
+    """max(0, p - q) where q is the draft's proposal (a point mass without `dist`)."""
+    r = p.copy()
+    if dist is None:
+        r[draft] = 0.0
+    else:
+        r[list(dist.ids)] -= np.asarray(dist.probs, dtype=np.float64)
+        np.maximum(r, 0.0, out=r)
+    return r
+
+
+def verify(
+    logits: np.ndarray,
+    drafts: Sequence[int],
+    start: int,
+    params: SamplingParams,
+    mode: VerificationMode,
+    dists: Sequence[SparseDist] = (),
+) -> Outcome:
+    """Decide drafts[j] at absolute position start + j from logits row j.
+
+    `logits` has len(drafts) + 1 rows: row j is the target's prediction for
+    position start + j given everything before it.
+    """
+    if logits.shape[0] != len(drafts) + 1:
+        raise ValueError(f"need {len(drafts) + 1} logit rows, got {logits.shape[0]}")
+    if mode is VerificationMode.GREEDY:
+        best = np.argmax(logits, axis=-1)
+        n = 0
+        while n < len(drafts) and drafts[n] == int(best[n]):
+            n += 1
+        return Outcome(n, int(best[n]))
+
+    probs = process_logits(logits, params)
+    for j, x in enumerate(drafts):
+        rng = position_rng(params.seed, start + j)
+        p = probs[j]
+        dist = dists[j] if mode is VerificationMode.SPARSE_Q else None
+        q_x = 1.0 if dist is None else dist.prob_of(x)
+        if rng.random() * q_x < p[x]:  # u < p(x) / q(x), without dividing
+            continue
+        r = residual(p, x, dist)
+        # r sums to zero only if p == q, where rejection has probability zero.
+        return Outcome(j, sample_from(r if r.sum() > 0 else p, rng.random()))
+    rng = position_rng(params.seed, start + len(drafts))
+    return Outcome(len(drafts), sample_from(probs[-1], rng.random()))

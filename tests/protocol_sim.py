@@ -1,0 +1,146 @@
+"""Fake deterministic models and a simulated network for the protocol-core tests."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specsplit.protocol.edge_session import EdgeSession
+from specsplit.protocol.hashing import mix
+from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
+from specsplit.protocol.server_session import ServerConnection, ServerSession
+
+VOCAB = 11
+EOS = 0
+
+
+def target_next(tokens: list[int]) -> int:
+    """The fake target's greedy choice: a fixed function of the last tokens and length."""
+    h = mix(mix(len(tokens), tokens[-1]), tokens[-2] if len(tokens) > 1 else 0)
+    return int(h % VOCAB)
+
+
+def target_logits(tokens: list[int], start: int, drafts: tuple[int, ...]) -> np.ndarray:
+    """Logit rows for positions start..start+len(drafts): one-hot-ish at the target's choice."""
+    rows = np.zeros((len(drafts) + 1, VOCAB), dtype=np.float32)
+    prefix = list(tokens[:start])
+    for j in range(len(drafts) + 1):
+        rows[j, target_next(prefix)] = 5.0
+        if j < len(drafts):
+            prefix.append(drafts[j])
+    return rows
+
+
+def draft_next(tokens: list[int], alpha: float, salt: int) -> int:
+    """Right (the target's choice) with probability about alpha, else a wrong token."""
+    h = 0
+    for t in tokens[-4:]:
+        h = mix(h, t)
+    coin = mix(h, salt + len(tokens)) / 2**64
+    right = target_next(tokens)
+    return right if coin < alpha else (right + 1 + int(coin * 1000) % (VOCAB - 1)) % VOCAB
+
+
+def reference(prompt: list[int], max_new: int, max_context: int) -> list[int]:
+    """What the target alone produces greedily."""
+    seq = list(prompt)
+    out: list[int] = []
+    while True:
+        t = target_next(seq)
+        seq.append(t)
+        out.append(t)
+        if t == EOS or len(out) >= max_new or len(seq) >= max_context:
+            return out
+
+
+@dataclass
+class Network:
+    """Edge and server joined by two in-order queues; a test chooses the interleaving."""
+
+    prompt: list[int]
+    max_new: int
+    window: int
+    alpha: float
+    salt: int
+    max_context: int = 64
+    edge: EdgeSession = field(init=False)
+    server: ServerConnection = field(init=False)
+    up: deque = field(default_factory=deque)
+    down: deque = field(default_factory=deque)
+    reconnects: int = 0
+
+    def __post_init__(self) -> None:
+        self.limits = ServerLimits(
+            vocab_size=VOCAB, max_context=self.max_context, max_lookahead=self.window + 2, eos_ids=(EOS,)
+        )
+        self.edge = EdgeSession(self.prompt, self.window)
+        self._open()
+
+    def _open(self) -> None:
+        self.server = ServerConnection(self.limits, f"s{self.reconnects}")
+        req = OpenRequest(
+            prompt_ids=tuple(self.prompt),
+            max_new_tokens=self.max_new,
+            committed_ids=tuple(self.edge.generated),
+        )
+        self.up.append(req)
+
+    @property
+    def session(self) -> ServerSession | None:
+        return self.server.session
+
+    # -- actions ---------------------------------------------------------------
+
+    def draft(self) -> None:
+        if self.edge.room() > 0:
+            self.edge.push_draft(draft_next(self.edge.tokens, self.alpha, self.salt))
+
+    def send(self, max_tokens: int) -> None:
+        chunk = self.edge.next_chunk(max_tokens)
+        if chunk is not None:
+            self.up.append(chunk)
+
+    def deliver_up(self) -> None:
+        if self.up:
+            self.down.extend(self.server.receive(self.up.popleft()))
+
+    def deliver_down(self) -> None:
+        while self.down:
+            msg = self.down.popleft()
+            if isinstance(msg, Verdict):
+                self.edge.apply_verdict(msg)
+                return
+            if isinstance(msg, Done):
+                self.edge.apply_done(msg)
+                return
+
+    def verify(self, budget: int) -> None:
+        s = self.session
+        if s is None or s.done is not None:
+            return
+        task = s.next_task(budget)
+        assert task is not None
+        self.down.extend(s.apply(task, target_logits(s.tokens, task.start, task.drafts)))
+
+    def reconnect(self) -> None:
+        """The stream breaks: everything in flight is lost; the edge re-opens."""
+        self.up.clear()
+        self.down.clear()
+        self.reconnects += 1
+        self.edge.reconnect()
+        self._open()
+
+    def finish(self, max_steps: int = 10_000) -> None:
+        """A fair schedule that must end the generation."""
+        for _ in range(max_steps):
+            if self.edge.done is not None:
+                return
+            self.draft()
+            self.send(4)
+            while self.up:
+                self.deliver_up()
+            self.verify(4)
+            while self.down and self.edge.done is None:
+                self.deliver_down()
+        raise AssertionError("generation did not finish")

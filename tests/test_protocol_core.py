@@ -1,0 +1,291 @@
+"""Deterministic cases of the protocol core: admission, rollback, termination, violations."""
+from __future__ import annotations
+
+import pytest
+
+from specsplit.protocol import errors
+from specsplit.protocol.edge_session import EdgeSession
+from specsplit.protocol.hashing import HashedSequence, mix
+from specsplit.protocol.messages import (
+    Close,
+    Done,
+    DoneReason,
+    DraftChunk,
+    OpenRequest,
+    SamplingParams,
+    ServerLimits,
+    SparseDist,
+    Verdict,
+    VerificationMode,
+)
+from specsplit.protocol.server_session import ServerConnection, ServerSession
+from protocol_sim import EOS, VOCAB, target_logits, target_next
+
+LIMITS = ServerLimits(vocab_size=VOCAB, max_context=40, max_lookahead=8, max_chunk=6, eos_ids=(EOS,))
+PROMPT = (3, 4, 5)
+
+
+def open_session(**kw) -> ServerSession:
+    return ServerSession(OpenRequest(prompt_ids=PROMPT, max_new_tokens=kw.pop("max_new", 20), **kw), LIMITS, "s")
+
+
+def greedy_path(prefix: list[int], n: int) -> list[int]:
+    seq = list(prefix)
+    for _ in range(n):
+        seq.append(target_next(seq))
+    return seq[len(prefix):]
+
+
+def chunk_on(trajectory: list[int], start: int, end: int) -> DraftChunk:
+    seq = HashedSequence(trajectory)
+    return DraftChunk(start, tuple(trajectory[start:end]), seq.hash_before(start))
+
+
+def run_task(s: ServerSession, budget: int):
+    task = s.next_task(budget)
+    return s.apply(task, target_logits(s.tokens, task.start, task.drafts))
+
+
+def test_hash_chain_matches_incremental_mix() -> None:
+    seq = HashedSequence([1, 2, 3])
+    h = 0x243F6A8885A308D3
+    for t in [1, 2, 3]:
+        h = mix(h, t)
+    assert seq.hashes[-1] == h
+    seq.truncate(1)
+    seq.extend([2, 3])
+    assert seq.hashes[-1] == h
+
+
+def test_verdict_that_confirms_an_in_flight_chunk_keeps_it() -> None:
+    s = open_session()
+    good = greedy_path(list(PROMPT), 3)  # a, b, c: all what the target wants
+    traj = list(PROMPT) + good
+    s.receive_draft(chunk_on(traj, 3, 4))  # [a] arrives
+    # The server verifies [a]: accepts it, and its bonus token equals b, the edge's next draft.
+    (verdict,) = run_task(s, 4)
+    assert verdict.tokens == (good[0], good[1]) and verdict.accepted == 1
+    # [b, c] was in flight, drafted on a trajectory the verdict confirmed: c is kept.
+    assert s.receive_draft(chunk_on(traj, 4, 6)) == 1
+    assert s.candidates == [good[2]]
+    assert s.drafts_dropped == 0
+
+
+def test_verdict_that_contradicts_an_in_flight_chunk_drops_it() -> None:
+    s = open_session()
+    a = target_next(list(PROMPT))
+    wrong_b = (target_next(list(PROMPT) + [a]) + 1) % VOCAB
+    traj = list(PROMPT) + [a, wrong_b, 7]
+    s.receive_draft(chunk_on(traj, 3, 4))
+    (verdict,) = run_task(s, 4)  # commits a and the target's b, not wrong_b
+    assert verdict.tokens[1] != wrong_b
+    assert s.receive_draft(chunk_on(traj, 4, 6)) == 0
+    assert s.candidates == []
+    assert s.drafts_dropped == 2
+
+
+def test_chunk_with_wrong_parent_hash_is_dropped_not_an_error() -> None:
+    s = open_session()
+    chunk = DraftChunk(3, (1, 2), parent_hash=12345)
+    assert s.receive_draft(chunk) == 0
+    assert s.candidates == [] and s.drafts_dropped == 2
+
+
+def test_redrafted_trajectory_replaces_stale_candidates() -> None:
+    s = open_session()
+    s.receive_draft(chunk_on(list(PROMPT) + [1, 2, 3], 3, 6))
+    s.receive_draft(chunk_on(list(PROMPT) + [1, 9], 3, 5))
+    assert s.candidates == [1, 9]
+
+
+def test_edge_rolls_back_on_contradiction_and_resends_from_committed_point() -> None:
+    e = EdgeSession(PROMPT, window=4)
+    for t in (1, 2, 3):
+        e.push_draft(t)
+    assert e.next_chunk().tokens == (1, 2, 3)
+    resync = e.apply_verdict(Verdict(start=3, tokens=(1, 5), accepted=1, proposed=2, candidate_tip=5))
+    assert resync == 4 and e.tokens == [3, 4, 5, 1, 5] and e.committed_len == 5
+    assert e.wasted == 2 and e.sent_len == 5
+    e.push_draft(6)
+    assert e.next_chunk().start == 5
+
+
+def test_edge_keeps_speculation_a_verdict_confirms() -> None:
+    e = EdgeSession(PROMPT, window=4)
+    for t in (1, 2, 3):
+        e.push_draft(t)
+    e.next_chunk()
+    assert e.apply_verdict(Verdict(start=3, tokens=(1, 2), accepted=1, proposed=1, candidate_tip=6, chunks_received=1)) is None
+    assert e.tokens == [3, 4, 5, 1, 2, 3] and e.committed_len == 5 and e.room() == 3
+
+
+def test_edge_resends_what_the_server_reports_lost() -> None:
+    e = EdgeSession(PROMPT, window=4)
+    for t in (1, 2, 3):
+        e.push_draft(t)
+    e.next_chunk()
+    # The server had received the chunk but holds nothing past the commit: it lost it.
+    e.apply_verdict(Verdict(start=3, tokens=(1,), accepted=1, proposed=1, candidate_tip=4, chunks_received=1))
+    chunk = e.next_chunk()
+    assert chunk is not None and chunk.start == 4 and chunk.tokens == (2, 3) and e.resends == 1
+
+
+def test_edge_rejects_out_of_order_verdict() -> None:
+    e = EdgeSession(PROMPT, window=2)
+    with pytest.raises(errors.VerdictOutOfOrder):
+        e.apply_verdict(Verdict(start=5, tokens=(1,), accepted=0, proposed=0, candidate_tip=6))
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason", "length"),
+    [
+        ({"max_new": 3}, DoneReason.LENGTH, 3),
+        ({"stop_ids": None}, DoneReason.STOP, None),
+    ],
+)
+def test_termination(kw, reason, length) -> None:
+    path = greedy_path(list(PROMPT), 6)
+    if kw.get("stop_ids", 0) is None:
+        kw = {"stop_ids": (path[1],)}
+        length = path.index(path[1]) + 1
+    s = open_session(**kw)
+    events = []
+    while s.done is None:
+        events += run_task(s, 4)
+    assert s.generated == path[:length]
+    assert isinstance(events[-1], Done) and events[-1].reason == reason
+
+
+def test_eos_and_context_end_the_session() -> None:
+    limits = ServerLimits(vocab_size=VOCAB, max_context=6, max_lookahead=8, eos_ids=(EOS,))
+    s = ServerSession(OpenRequest(prompt_ids=PROMPT, max_new_tokens=20), limits)
+    while s.done is None:
+        run_task(s, 8)
+    path = greedy_path(list(PROMPT), 3)
+    want = path[: path.index(EOS) + 1] if EOS in path else path
+    assert s.generated == want
+    assert s.done.reason == (DoneReason.EOS if EOS in path else DoneReason.CONTEXT)
+
+
+# -- one test per protocol violation ----------------------------------------------
+
+
+def test_draft_before_open() -> None:
+    with pytest.raises(errors.DraftBeforeOpen) as exc:
+        ServerConnection(LIMITS, "s").receive(DraftChunk(3, (1,), 0))
+    assert exc.value.status == "FAILED_PRECONDITION"
+
+
+def test_second_open() -> None:
+    conn = ServerConnection(LIMITS, "s")
+    conn.receive(OpenRequest(prompt_ids=PROMPT, max_new_tokens=4))
+    with pytest.raises(errors.SecondOpen) as exc:
+        conn.receive(OpenRequest(prompt_ids=PROMPT, max_new_tokens=4))
+    assert exc.value.status == "FAILED_PRECONDITION"
+
+
+def test_close_cancels() -> None:
+    conn = ServerConnection(LIMITS, "s")
+    conn.receive(OpenRequest(prompt_ids=PROMPT, max_new_tokens=4))
+    (done,) = conn.receive(Close())
+    assert done.reason == DoneReason.CANCELLED and conn.session.next_task(4) is None
+
+
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 100, -1])
+def test_token_outside_vocabulary(bad) -> None:
+    s = open_session()
+    with pytest.raises(errors.TokenOutOfVocab) as exc:
+        s.receive_draft(DraftChunk(3, (1, bad), s.tokens and HashedSequence(PROMPT).hash_before(3)))
+    assert exc.value.status == "INVALID_ARGUMENT"
+    with pytest.raises(errors.TokenOutOfVocab):
+        open_session(stop_ids=(bad,))
+
+
+def test_prompt_token_outside_vocabulary() -> None:
+    with pytest.raises(errors.TokenOutOfVocab):
+        ServerSession(OpenRequest(prompt_ids=(1, VOCAB), max_new_tokens=4), LIMITS)
+
+
+def test_position_behind_committed_point() -> None:
+    s = open_session()
+    with pytest.raises(errors.PositionBehindCommitted) as exc:
+        s.receive_draft(chunk_on(list(PROMPT) + [1], 2, 4))
+    assert exc.value.status == "OUT_OF_RANGE"
+
+
+def test_position_beyond_the_window() -> None:
+    s = open_session()
+    traj = list(PROMPT) + [1] * 10
+    s.receive_draft(chunk_on(traj, 3, 9))
+    with pytest.raises(errors.BeyondLookahead) as exc:
+        s.receive_draft(chunk_on(traj, 9, 12))  # ends at 12 > 3 + 8
+    assert exc.value.status == "OUT_OF_RANGE"
+
+
+def test_oversize_chunk_and_empty_chunk() -> None:
+    s = open_session()
+    with pytest.raises(errors.DraftTooLarge):
+        s.receive_draft(chunk_on(list(PROMPT) + [1] * 7, 3, 10))
+    with pytest.raises(errors.MalformedDraft):
+        s.receive_draft(DraftChunk(3, (), 0))
+
+
+def test_oversize_prompt() -> None:
+    with pytest.raises(errors.PromptTooLong) as exc:
+        ServerSession(OpenRequest(prompt_ids=(1,) * 40, max_new_tokens=4), LIMITS)
+    assert exc.value.status == "OUT_OF_RANGE"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=-1.0),
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(temperature=1.0, top_p=1.5),
+        SamplingParams(temperature=1.0, top_k=-3),
+    ],
+)
+def test_absurd_sampling_values(sampling) -> None:
+    with pytest.raises(errors.InvalidOpen):
+        open_session(sampling=sampling)
+
+
+def test_empty_prompt_and_zero_max_new() -> None:
+    with pytest.raises(errors.InvalidOpen):
+        ServerSession(OpenRequest(prompt_ids=(), max_new_tokens=4), LIMITS)
+    with pytest.raises(errors.InvalidOpen):
+        open_session(max_new=0)
+
+
+def test_fingerprint_mismatch_names_both_models() -> None:
+    limits = ServerLimits(vocab_size=VOCAB, max_context=40, target_model="big", tokenizer_fingerprint="aaa")
+    with pytest.raises(errors.FingerprintMismatch) as exc:
+        ServerSession(
+            OpenRequest(prompt_ids=PROMPT, max_new_tokens=4, draft_model="small", tokenizer_fingerprint="bbb"),
+            limits,
+        )
+    assert exc.value.status == "FAILED_PRECONDITION"
+    assert "small" in exc.value.message and "big" in exc.value.message
+
+
+def test_sparse_q_needs_valid_distributions() -> None:
+    s = open_session(sampling=SamplingParams(temperature=1.0), verification=VerificationMode.SPARSE_Q)
+    parent = HashedSequence(PROMPT).hash_before(3)
+    with pytest.raises(errors.MalformedDraft):
+        s.receive_draft(DraftChunk(3, (1,), parent))  # no distribution
+    with pytest.raises(errors.MalformedDraft):
+        s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((2, 3), (0.5, 0.5)),)))  # token not in it
+    with pytest.raises(errors.MalformedDraft):
+        s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((1, 3), (0.9, 0.9)),)))  # sums over 1
+    assert s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((1, 3), (0.6, 0.4)),))) == 1
+
+
+def test_resumed_session_continues_from_committed_prefix() -> None:
+    path = greedy_path(list(PROMPT), 8)
+    s = ServerSession(OpenRequest(prompt_ids=PROMPT, max_new_tokens=8, committed_ids=tuple(path[:3])), LIMITS)
+    with pytest.raises(errors.PositionBehindCommitted):
+        s.receive_draft(chunk_on(list(PROMPT) + path, 5, 7))
+    while s.done is None:
+        run_task(s, 2)
+    want = path[: path.index(EOS) + 1] if EOS in path else path
+    assert s.generated == want

@@ -1,0 +1,58 @@
+"""Greedy losslessness of the protocol core under arbitrary interleavings (hypothesis)."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol_sim import VOCAB, Network, reference
+
+ACTIONS = ["draft", "draft", "draft", "send", "up", "down", "verify", "reconnect"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
+    max_new=st.integers(1, 24),
+    window=st.integers(1, 8),
+    alpha=st.sampled_from([0.0, 0.3, 0.7, 0.9, 1.0]),
+    salt=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_committed_tokens_equal_target_greedy(prompt, max_new, window, alpha, salt, data) -> None:
+    net = Network(prompt, max_new, window, alpha, salt)
+    steps = data.draw(st.integers(0, 200), label="steps")
+    for _ in range(steps):
+        if net.edge.done is not None:
+            break
+        action = data.draw(st.sampled_from(ACTIONS))
+        if action == "draft":
+            net.draft()
+        elif action == "send":
+            net.send(data.draw(st.integers(1, 5), label="chunk"))
+        elif action == "up":
+            net.deliver_up()
+        elif action == "down":
+            net.deliver_down()
+        elif action == "verify":
+            net.verify(data.draw(st.integers(0, 6), label="budget"))
+        elif net.reconnects < 3:
+            net.reconnect()
+    net.finish()
+    want = reference(prompt, max_new, net.max_context)
+    assert net.edge.generated == want
+    session = net.session
+    assert session is not None and session.generated == want
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
+    window=st.integers(1, 8),
+    salt=st.integers(0, 2**16),
+)
+def test_a_perfect_draft_is_always_accepted(prompt, window, salt) -> None:
+    """With a draft equal to the target and no reconnects, no draft is ever wasted."""
+    net = Network(prompt, 20, window, 1.0, salt)
+    net.finish()
+    assert net.edge.generated == reference(prompt, 20, net.max_context)
+    assert net.session is not None and net.session.drafts_dropped == 0
