@@ -69,6 +69,7 @@ class Network:
     up: deque = field(default_factory=deque)
     down: deque = field(default_factory=deque)
     reconnects: int = 0
+    edge_prefixes: set = field(default_factory=set)  # hashes of every trajectory prefix the edge held
 
     def __post_init__(self) -> None:
         self.limits = ServerLimits(
@@ -89,6 +90,13 @@ class Network:
     @property
     def session(self) -> ServerSession | None:
         return self.server.session
+
+    def check_candidates_came_from_the_edge(self) -> None:
+        """The server's trajectory past its committed point is one the edge really drafted."""
+        self.edge_prefixes.update(self.edge._seq.hashes)
+        s = self.session
+        if s is not None and s.candidate_tip > s.committed_len:
+            assert s._seq.hashes[-1] in self.edge_prefixes, "the server admitted a trajectory the edge never held"
 
     # -- actions ---------------------------------------------------------------
 

@@ -37,6 +37,7 @@ def test_committed_tokens_equal_target_greedy(prompt, max_new, window, alpha, sa
             net.verify(data.draw(st.integers(0, 6), label="budget"))
         elif net.reconnects < 3:
             net.reconnect()
+        net.check_candidates_came_from_the_edge()
     net.finish()
     want = reference(prompt, max_new, net.max_context)
     assert net.edge.generated == want
