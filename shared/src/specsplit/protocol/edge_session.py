@@ -43,6 +43,11 @@ class EdgeSession:
         return self._seq.tokens[self.prompt_len : self.committed_len]
 
     @property
+    def tip(self) -> int:
+        """Hash of the whole trajectory: a cheap test of whether it changed."""
+        return self._seq.hash_before(len(self._seq))
+
+    @property
     def speculative(self) -> int:
         return len(self._seq) - self.committed_len
 

@@ -58,3 +58,9 @@ class VerdictOutOfOrder(ProtocolError):
     """The edge got a verdict that does not start at its committed point (server bug)."""
 
     status = "INTERNAL"
+
+
+class ServerBusy(ProtocolError):
+    """Admission control: the server holds as many sessions as it allows."""
+
+    status = "RESOURCE_EXHAUSTED"

@@ -260,7 +260,7 @@ class ServerSession:
                 start=task.start,
                 tokens=tuple(new),
                 accepted=accepted,
-                proposed=len(task.drafts),
+                proposed=min(len(task.drafts), cut),  # drafts past an ending were never in question
                 candidate_tip=len(self._seq) if reason is None else self.committed_len,
                 verifications=self.verifications,
                 chunks_received=self.chunks_received,

@@ -1,0 +1,113 @@
+"""specsplit-edge: draft on this device, verify on a specsplit server."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import grpc
+
+from specsplit.edge.client import MODES, EdgeConfig, generate
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol.messages import SamplingParams, VerificationMode
+
+VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MATCH, "sparse-q": VerificationMode.SPARSE_Q}
+
+
+class TextStream:
+    """Prints the decoded text as it grows, holding back an incomplete UTF-8 tail."""
+
+    def __init__(self, tokenizer: EdgeTokenizer, out=sys.stdout) -> None:  # type: ignore[no-untyped-def]
+        self.tokenizer = tokenizer
+        self.out = out
+        self.printed = ""
+
+    def __call__(self, generated: list[int]) -> None:
+        text = self.tokenizer.decode(generated)
+        if text.endswith("\ufffd"):
+            return
+        if text.startswith(self.printed):
+            self.out.write(text[len(self.printed) :])
+            self.out.flush()
+            self.printed = text
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    directory = Path(args.draft)
+    tokenizer = EdgeTokenizer(directory)
+    drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
+    text = args.prompt if args.raw else tokenizer.chat_prompt(args.prompt)
+    prompt_ids = tokenizer.encode(text)
+    cfg = EdgeConfig(
+        mode=args.mode,
+        window=args.window,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        verification=VERIFICATION[args.verification] if args.verification else None,
+        sparse_top_k=args.sparse_top_k,
+        stop_ids=tuple(args.stop_id),
+    )
+    stream = None if args.json else TextStream(tokenizer)
+    result = await generate(
+        args.server,
+        prompt_ids,
+        cfg,
+        drafter=drafter,
+        fingerprint=tokenizer.fingerprint,
+        draft_model=str(directory),
+        on_commit=stream,
+    )
+    final = tokenizer.decode(result.tokens)
+    if args.json:
+        print(json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens}))
+    else:
+        if stream is not None and final.startswith(stream.printed):
+            sys.stdout.write(final[len(stream.printed) :])
+        print()
+        print(result.stats.line())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion of PROMPT")
+    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument("--server", required=True, help="HOST:PORT of the specsplit server")
+    g.add_argument("--draft", required=True, help="draft export directory (specsplit-server export-draft)")
+    g.add_argument("--mode", choices=sorted(MODES), default="async", help="async (default), sync or none")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
+                   help="sampled verification: match (default with temperature > 0) or sparse-q")
+    g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")
+    g.add_argument("--window", type=int, default=16, help="async: drafts allowed ahead of the committed point")
+    g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
+    g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
+    g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
+    g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return asyncio.run(_generate(args))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The edge's gRPC client: drafts continuously and streams candidates to the server.
+
+Three modes share one loop: `async` drafts ahead up to the lookahead window and never
+waits for verdicts; `sync` drafts k tokens, sends them, and waits for the verdict
+(the classic scheme, as a baseline); `none` sends no drafts (remote decoding, the
+autoregressive baseline). The drafter runs in a worker thread so verdicts are read
+and applied while it computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.proposer import Proposer
+from specsplit.edge.stats import GenerationStats
+from specsplit.protocol import codec
+from specsplit.protocol.edge_session import EdgeSession
+from specsplit.protocol.messages import (
+    Done,
+    DraftMode,
+    Opened,
+    OpenRequest,
+    SamplingParams,
+    Verdict,
+    VerificationMode,
+)
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+
+MODES = {"async": DraftMode.ASYNC, "sync": DraftMode.SYNC, "none": DraftMode.NONE}
+GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    mode: str = "async"
+    window: int = 16  # async: how far ahead of the committed point to draft
+    k: int = 4  # sync: drafts per round
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    verification: VerificationMode | None = None
+    sparse_top_k: int = 8
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        if self.window < 1 or self.k < 1:
+            raise ValueError("window and k must be at least 1")
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: GenerationStats
+    opened: Opened | None = None
+    commit_times: list[float] = field(default_factory=list)
+
+
+class _Generation:
+    def __init__(
+        self,
+        drafter: OnnxDrafter | None,
+        prompt_ids: Sequence[int],
+        cfg: EdgeConfig,
+        fingerprint: str,
+        draft_model: str,
+        committed_ids: Sequence[int],
+        on_commit: Callable[[list[int]], None] | None,
+    ) -> None:
+        if cfg.mode != "none" and drafter is None:
+            raise ValueError(f"mode {cfg.mode} needs a draft model")
+        self.drafter = drafter
+        self.prompt_ids = list(prompt_ids)
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.draft_model = draft_model
+        self.committed_ids = list(committed_ids)
+        self.on_commit = on_commit
+        self.request = OpenRequest(
+            prompt_ids=tuple(self.prompt_ids),
+            max_new_tokens=cfg.max_new_tokens,
+            sampling=cfg.sampling,
+            stop_ids=cfg.stop_ids,
+            verification=cfg.verification,
+            draft_mode=MODES[cfg.mode],
+            draft_model=draft_model,
+            tokenizer_fingerprint=fingerprint,
+            committed_ids=tuple(self.committed_ids),
+        )
+        self.proposer = Proposer(self.request.resolved_mode(), cfg.sampling, cfg.sparse_top_k)
+        self.stats = GenerationStats(mode=cfg.mode)
+        self.commit_times: list[float] = []
+        self.edge: EdgeSession | None = None
+        self._changed = asyncio.Event()
+        self._verdicts = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+
+    async def _write(self, call, msg) -> None:  # type: ignore[no-untyped-def]
+        self.stats.bytes_up += msg.ByteSize() + GRPC_FRAME_BYTES
+        await call.write(msg)
+
+    async def _read_one(self, call):  # type: ignore[no-untyped-def]
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            raise ConnectionError("the server ended the stream before Done")
+        self.stats.bytes_down += msg.ByteSize() + GRPC_FRAME_BYTES
+        return codec.server_from_pb(msg)
+
+    async def run(self, stub: pb_grpc.SpecSplitStub) -> GenerationResult:
+        t0 = time.perf_counter()
+        call = stub.Generate()
+        await self._write(call, codec.open_to_pb(self.request))
+        opened = await self._read_one(call)
+        if not isinstance(opened, Opened):
+            raise ConnectionError(f"expected Opened first, got {type(opened).__name__}")
+        window = self.cfg.k if self.cfg.mode == "sync" else min(self.cfg.window, opened.max_lookahead)
+        self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
+        drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop(call))
+        try:
+            await self._read_loop(call, t0)
+        finally:
+            if drafting is not None:
+                drafting.cancel()
+                await asyncio.gather(drafting, return_exceptions=True)
+            self._pool.shutdown(wait=False)
+        await call.done_writing()
+        self.stats.finish(self.edge, time.perf_counter() - t0)
+        return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times)
+
+    async def _read_loop(self, call, t0: float) -> None:  # type: ignore[no-untyped-def]
+        edge = self.edge
+        assert edge is not None
+        while True:
+            event = await self._read_one(call)
+            now = time.perf_counter() - t0
+            if isinstance(event, Verdict):
+                edge.apply_verdict(event)
+                self._verdicts += 1
+                self.stats.add_verdict(event, now)
+                self.commit_times.extend([now] * len(event.tokens))
+                if self.on_commit is not None:
+                    self.on_commit(edge.generated)
+            elif isinstance(event, Done):
+                edge.apply_done(event)
+                self.stats.done_reason = event.reason.name.lower()
+                self._changed.set()
+                return
+            self._changed.set()
+
+    async def _wait_change(self) -> None:
+        self._changed.clear()
+        await self._changed.wait()
+
+    async def _draft_loop(self, call) -> None:  # type: ignore[no-untyped-def]
+        edge, drafter = self.edge, self.drafter
+        assert edge is not None and drafter is not None
+        loop = asyncio.get_running_loop()
+        sync = self.cfg.mode == "sync"
+        awaiting: int | None = None  # sync: verdict count when the last round was sent
+        while edge.done is None:
+            if sync and awaiting is not None:
+                if self._verdicts == awaiting:
+                    await self._wait_change()
+                    continue
+                awaiting = None
+            if edge.room() <= 0:
+                await self._wait_change()
+                continue
+            trajectory = list(edge.tokens)
+            tip = edge.tip
+            logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
+            if edge.done is not None or edge.tip != tip:
+                continue  # a verdict changed the trajectory meanwhile: draft again from it
+            edge.push_draft(*self.proposer.propose(logits, len(trajectory)))
+            if sync and edge.speculative < self.cfg.k:
+                continue
+            chunk = edge.next_chunk()
+            if chunk is not None:
+                if sync:
+                    awaiting = self._verdicts
+                await self._write(call, codec.draft_to_pb(chunk))
+
+
+async def generate(
+    server: str,
+    prompt_ids: Sequence[int],
+    cfg: EdgeConfig,
+    drafter: OnnxDrafter | None = None,
+    fingerprint: str = "",
+    draft_model: str = "",
+    committed_ids: Sequence[int] = (),
+    on_commit: Callable[[list[int]], None] | None = None,
+    channel: grpc.aio.Channel | None = None,
+) -> GenerationResult:
+    """Generate one completion of `prompt_ids` through the server at `server` (host:port)."""
+    gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed_ids, on_commit)
+    if channel is not None:
+        return await gen.run(pb_grpc.SpecSplitStub(channel))
+    async with grpc.aio.insecure_channel(server) as ch:
+        return await gen.run(pb_grpc.SpecSplitStub(ch))

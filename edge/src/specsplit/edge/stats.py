@@ -1,0 +1,54 @@
+"""Per-generation statistics the edge reports (the stats line and --json)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specsplit.protocol.edge_session import EdgeSession
+from specsplit.protocol.messages import Verdict
+
+
+@dataclass
+class GenerationStats:
+    mode: str
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    tokens_per_s: float = 0.0
+    ttft_s: float | None = None  # until the first committed token
+    verifications: int = 0
+    drafts_proposed: int = 0  # drafts the server verified
+    drafts_accepted: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted: float = 0.0  # accepted drafts per verification
+    drafts_made: int = 0
+    drafts_wasted: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    done_reason: str = ""
+
+    def add_verdict(self, v: Verdict, elapsed_s: float) -> None:
+        if self.ttft_s is None and v.tokens:
+            self.ttft_s = elapsed_s
+        self.verifications += 1
+        self.drafts_proposed += v.proposed
+        self.drafts_accepted += v.accepted
+
+    def finish(self, edge: EdgeSession, elapsed_s: float) -> None:
+        self.tokens = len(edge.generated)
+        self.elapsed_s = elapsed_s
+        self.tokens_per_s = self.tokens / elapsed_s if elapsed_s > 0 else 0.0
+        self.acceptance_rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+        self.mean_accepted = self.drafts_accepted / self.verifications if self.verifications else 0.0
+        self.drafts_made = edge.drafted
+        self.drafts_wasted = edge.wasted
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        ttft = f"{self.ttft_s * 1000:.0f} ms" if self.ttft_s is not None else "n/a"
+        return (
+            f"[{self.mode}] {self.tokens} tokens in {self.elapsed_s:.2f} s ({self.tokens_per_s:.2f} tok/s), "
+            f"ttft {ttft}, acceptance {self.acceptance_rate:.0%}, "
+            f"mean accepted/verification {self.mean_accepted:.2f}, drafts wasted {self.drafts_wasted}, "
+            f"bytes up {self.bytes_up} / down {self.bytes_down}, done: {self.done_reason}"
+        )

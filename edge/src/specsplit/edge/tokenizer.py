@@ -1,0 +1,49 @@
+"""The draft export's tokenizer and chat template, with the `tokenizers` library and jinja2."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from specsplit.common.fingerprint import vocab_fingerprint
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+class EdgeTokenizer:
+    def __init__(self, directory: Path) -> None:
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory} has no tokenizer.json")
+        self._tok = Tokenizer.from_file(str(path))
+        config_path = directory / "tokenizer_config.json"
+        self._config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = directory / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_path.read_text() if template_path.is_file() else self._config.get("chat_template")
+        )
+        self.fingerprint = vocab_fingerprint(self._tok.get_vocab(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def chat_prompt(self, user_text: str) -> str:
+        """The text of a one-turn chat, rendered with the model's own template."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use raw prompts")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        special = {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
+        return env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": user_text}], add_generation_prompt=True, **special
+        )

@@ -1,0 +1,1 @@
+"""specsplit server: target model, verification scheduler, gRPC service, model preparation."""

@@ -1,0 +1,103 @@
+"""specsplit-server: serve a target model, or export a draft model for the edge."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from specsplit.server.engine import TargetEngine
+    from specsplit.server.loading import load_model
+    from specsplit.server.scheduler import SchedulerConfig
+    from specsplit.server.service import ServeConfig, serve
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is available", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.getLogger(__name__).info("loading target %s (%s on %s)", args.target, args.dtype, args.device)
+    engine = TargetEngine(load_model(args.target, dtype=args.dtype, device=args.device))
+    sched = SchedulerConfig(
+        max_verify_tokens=args.max_verify_tokens, idle_policy=args.idle_policy, idle_wait_s=args.idle_wait_ms / 1000
+    )
+    cfg = ServeConfig(
+        host=args.host,
+        port=args.port,
+        max_sessions=args.max_sessions,
+        max_lookahead=args.max_lookahead,
+        max_context=args.max_context,
+        grace_s=args.grace,
+    )
+    asyncio.run(serve(engine, sched, cfg))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from specsplit.server.export import ExportParityError, export_draft
+
+    try:
+        meta = export_draft(args.model, Path(args.out), quantize=args.quantize, tolerance=args.tolerance)
+    except ExportParityError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {args.out}: {meta.num_layers} layers, vocab {meta.vocab_size}, {meta.quantization} weights, "
+        f"max |logit diff| vs torch {meta.max_abs_logit_diff:.2e} (tolerance {args.tolerance:.1e})"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specsplit-server", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve a target model over gRPC")
+    s.add_argument("--target", required=True, help="Hugging Face directory, .gguf file or hub id")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for other machines)")
+    s.add_argument("--port", type=int, default=50051)
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="fp32")
+    s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    s.add_argument(
+        "--idle-policy",
+        choices=["ar", "wait"],
+        default="ar",
+        help="a session with no drafts: take an autoregressive step at once (ar) or wait --idle-wait-ms first",
+    )
+    s.add_argument("--idle-wait-ms", type=float, default=20.0)
+    s.add_argument("--max-verify-tokens", type=int, default=16, help="drafts one verification may take")
+    s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
+    s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")
+    s.add_argument("--max-context", type=int, default=None, help="context limit (default: the target's)")
+    s.add_argument("--grace", type=float, default=10.0, help="seconds open sessions get to finish on SIGTERM")
+    s.set_defaults(func=_serve)
+
+    e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge")
+    e.add_argument("--model", required=True, help="Hugging Face directory, .gguf file or hub id")
+    e.add_argument("--out", required=True, help="output directory (replaced if it exists)")
+    e.add_argument("--quantize", choices=["none", "int8"], default="none", help="int8 dynamic weight quantization")
+    e.add_argument(
+        "--tolerance", type=float, default=1e-3, help="max |logit difference| ONNX Runtime vs torch (fp32 graph)"
+    )
+    e.set_defaults(func=_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    logging.getLogger("specsplit").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

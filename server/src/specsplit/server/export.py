@@ -1,0 +1,191 @@
+"""Export a Hugging Face causal LM to an ONNX draft model with explicit KV cache.
+
+Inputs: input_ids, attention_mask, position_ids, past_key_values.{i}.key|value;
+outputs: logits, present.{i}.key|value (the common convention), so the edge can run
+it with ONNX Runtime alone. Before anything is written, ONNX Runtime's logits are
+compared with torch's on a few prompts with a non-empty cache; an export that
+disagrees by more than the tolerance is refused.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from specsplit.common.export_meta import MODEL_FILE, DraftExportMeta
+from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
+from specsplit.server.loading import LoadedModel, load_model, source_sha256
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOLERANCE = 1e-3  # max |logit difference|, ONNX Runtime fp32 vs torch fp32
+PARITY_PROMPTS = ["def fibonacci(n):", "Hello, world! How are", "import numpy as np\nx ="]
+
+
+class ExportParityError(RuntimeError):
+    """ONNX Runtime and torch disagree beyond the tolerance: the export is not written."""
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    max_abs_diff: float
+    top1_agreement: float  # fraction of positions whose argmax agrees
+
+
+class _KVWrapper(torch.nn.Module):
+    """Flat tensors in and out, so the TorchScript exporter can name every KV tensor."""
+
+    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+        super().__init__()
+        self.model = model
+        self.num_layers = num_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):  # type: ignore[no-untyped-def]
+        cache = cache_from_tensors([(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)])
+        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache=True)
+        flat = [t for pair in cache_tensors(output_cache(out)) for t in pair]
+        return (out.logits, *flat)
+
+
+def kv_shape(config) -> tuple[int, int, int]:  # type: ignore[no-untyped-def]
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", heads), head_dim
+
+
+def _export_graph(loaded: LoadedModel, path: Path, opset: int) -> None:
+    layers, kv_heads, head_dim = kv_shape(loaded.model.config)
+    wrapper = _KVWrapper(loaded.model, layers).eval()
+    past_len, seq = 2, 3
+    inputs = (
+        torch.ones((1, seq), dtype=torch.long),
+        torch.ones((1, past_len + seq), dtype=torch.long),
+        torch.arange(past_len, past_len + seq).unsqueeze(0),
+        *[torch.zeros((1, kv_heads, past_len, head_dim)) for _ in range(2 * layers)],
+    )
+    past_names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    present_names = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    dynamic = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total"},
+        "position_ids": {0: "batch", 1: "seq"},
+        "logits": {0: "batch", 1: "seq"},
+        **{n: {0: "batch", 2: "past"} for n in past_names},
+        **{n: {0: "batch", 2: "total"} for n in present_names},
+    }
+    with torch.no_grad():
+        torch.onnx.export(
+            wrapper,
+            inputs,
+            str(path),
+            input_names=["input_ids", "attention_mask", "position_ids", *past_names],
+            output_names=["logits", *present_names],
+            dynamic_axes=dynamic,
+            opset_version=opset,
+            dynamo=False,
+        )
+
+
+def _ort_step(session: ort.InferenceSession, ids: list[int], past: list[np.ndarray], past_len: int):  # type: ignore[no-untyped-def]
+    feed = {
+        "input_ids": np.asarray([ids], dtype=np.int64),
+        "attention_mask": np.ones((1, past_len + len(ids)), dtype=np.int64),
+        "position_ids": np.arange(past_len, past_len + len(ids), dtype=np.int64)[None, :],
+    }
+    for i, t in enumerate(past):
+        feed[f"past_key_values.{i // 2}.{'key' if i % 2 == 0 else 'value'}"] = t
+    logits, *present = session.run(None, feed)
+    return logits[0], present
+
+
+def parity_check(loaded: LoadedModel, onnx_path: Path) -> ParityReport:
+    """ORT vs torch logits on each prompt: the first half fills the cache, the second
+    half is decoded against it, so the KV inputs and outputs are exercised."""
+    layers, kv_heads, head_dim = kv_shape(loaded.model.config)
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    worst, agree, total = 0.0, 0, 0
+    for prompt in PARITY_PROMPTS:
+        ids = loaded.tokenizer(prompt)["input_ids"]
+        if len(ids) < 2:
+            ids = ids * 2
+        with torch.no_grad():
+            ref = loaded.model(torch.tensor([ids])).logits[0].float().numpy()
+        half = len(ids) // 2
+        empty = [np.zeros((1, kv_heads, 0, head_dim), dtype=np.float32) for _ in range(2 * layers)]
+        first, present = _ort_step(session, ids[:half], empty, 0)
+        second, _ = _ort_step(session, ids[half:], present, half)
+        got = np.concatenate([first, second])
+        worst = max(worst, float(np.abs(got - ref).max()))
+        agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    return ParityReport(worst, agree / total)
+
+
+def quantize_int8(src: Path, dst: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, use_external_data_format=False)
+
+
+def export_draft(
+    model_path: str,
+    out_dir: Path,
+    quantize: str = "none",
+    tolerance: float = DEFAULT_TOLERANCE,
+    opset: int = 17,
+) -> DraftExportMeta:
+    """Export, check parity, optionally quantize, and write `out_dir` atomically."""
+    if quantize not in ("none", "int8"):
+        raise ValueError(f"quantize must be 'none' or 'int8', got {quantize!r}")
+    log.info("loading %s", model_path)
+    loaded = load_model(model_path, dtype="fp32", attn="eager")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
+        work = Path(tmp)
+        fp32 = work / "fp32" / MODEL_FILE
+        fp32.parent.mkdir()
+        log.info("exporting to ONNX (opset %d)", opset)
+        _export_graph(loaded, fp32, opset)
+        report = parity_check(loaded, fp32)
+        log.info("parity: max |logit diff| %.2e, top-1 agreement %.3f", report.max_abs_diff, report.top1_agreement)
+        if not report.max_abs_diff <= tolerance:
+            raise ExportParityError(
+                f"ONNX Runtime logits differ from torch by {report.max_abs_diff:.3e} "
+                f"(tolerance {tolerance:.1e}); refusing to write {out_dir}"
+            )
+        final = work / "final"
+        final.mkdir()
+        if quantize == "int8":
+            log.info("quantizing weights to int8")
+            quantize_int8(fp32, final / MODEL_FILE)
+            q = parity_check(loaded, final / MODEL_FILE)
+            log.info("int8: max |logit diff| %.2e, top-1 agreement %.3f", q.max_abs_diff, q.top1_agreement)
+        else:
+            for f in fp32.parent.iterdir():
+                shutil.move(str(f), final / f.name)
+        loaded.tokenizer.save_pretrained(final)
+        layers, kv_heads, head_dim = kv_shape(loaded.model.config)
+        meta = DraftExportMeta(
+            num_layers=layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=loaded.model.config.vocab_size,
+            eos_ids=loaded.eos_ids,
+            tokenizer_fingerprint=loaded.fingerprint,
+            source_model=model_path,
+            source_sha256=source_sha256(model_path),
+            quantization=quantize,
+            max_abs_logit_diff=report.max_abs_diff,
+        )
+        meta.save(final)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        final.rename(out_dir)
+    return meta

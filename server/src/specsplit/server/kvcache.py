@@ -1,0 +1,35 @@
+"""Version-agnostic handling of transformers' KV cache objects.
+
+transformers 5 renamed the forward argument `past_key_values` to `cache`; both take
+the fourth positional slot, so callers pass it positionally and read it back here.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def output_cache(out) -> DynamicCache:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def cache_from_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(pairs):
+        cache.update(k, v, i)
+    return cache
+
+
+def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(k, v) for k, v in zip(cache.key_cache, cache.value_cache)]
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first `length` positions. A negative argument ("drop this many") means
+    the same in transformers 4 and 5; 5 refuses a positive one."""
+    drop = cache.get_seq_length() - length
+    if drop > 0:
+        cache.crop(-drop)

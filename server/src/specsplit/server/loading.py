@@ -1,0 +1,79 @@
+"""Load a causal LM and its tokenizer from a Hugging Face directory, a GGUF file or a hub id."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specsplit.common.fingerprint import vocab_fingerprint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # what the user pointed at, for messages and metadata
+
+    @property
+    def fingerprint(self) -> str:
+        return vocab_fingerprint(self.tokenizer.get_vocab())
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        return tuple(sorted(ids))
+
+
+def _split_gguf(path: str) -> tuple[str, dict]:
+    """transformers takes a GGUF as (directory, gguf_file=name)."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"GGUF file {p} does not exist")
+        return str(p.parent), {"gguf_file": p.name}
+    if p.exists() and not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{p} is neither a GGUF file nor a Hugging Face model directory (no config.json)")
+    return path, {}
+
+
+def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None) -> LoadedModel:
+    """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    source, extra = _split_gguf(path)
+    tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+    if attn:
+        extra["attn_implementation"] = attn
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **extra)
+    model.to(device).eval()
+    return LoadedModel(model, tokenizer, path)
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def source_sha256(path: str) -> str:
+    """sha256 of a GGUF file or of a directory's weight files (empty for a hub id)."""
+    p = Path(path)
+    if p.is_file():
+        return file_sha256(p)
+    if p.is_dir():
+        h = hashlib.sha256()
+        for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
+            h.update(file_sha256(f).encode())
+        return h.hexdigest()
+    return ""

@@ -1,0 +1,143 @@
+"""The verification worker: the one owner of the target model.
+
+Sessions hand it work by holding candidates (or by waiting for an autoregressive
+step); it picks them round-robin, runs the target in a worker thread so the event
+loop keeps moving messages, and puts verdicts into each session's bounded outbox
+as soon as they exist. A session whose outbox is full (its edge is not reading) is
+skipped rather than waited for, so it cannot slow the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from specsplit.protocol.messages import DraftMode
+from specsplit.protocol.server_session import ServerSession, VerifyTask
+from specsplit.server.engine import KVState, TargetEngine
+
+log = logging.getLogger(__name__)
+
+IDLE_POLICIES = ("ar", "wait")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_verify_tokens: int = 16  # drafts one verification may take from a session
+    idle_policy: str = "ar"  # with no candidates: "ar" steps at once, "wait" waits idle_wait_s first
+    idle_wait_s: float = 0.02
+    outbox_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.idle_policy not in IDLE_POLICIES:
+            raise ValueError(f"idle policy must be one of {IDLE_POLICIES}, got {self.idle_policy!r}")
+
+
+@dataclass
+class SessionHandle:
+    session: ServerSession
+    outbox: asyncio.Queue
+    kv: KVState = field(default_factory=KVState)
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+class VerificationWorker:
+    def __init__(self, engine: TargetEngine, config: SchedulerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.sessions: dict[str, SessionHandle] = {}
+        self._order: deque[str] = deque()
+        self._wake = asyncio.Event()
+        # One thread: the model is used by one verification at a time.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+        self.busy_s = 0.0
+
+    def add(self, handle: SessionHandle) -> None:
+        self.sessions[handle.session.session_id] = handle
+        self._order.append(handle.session.session_id)
+        self.notify()
+
+    def remove(self, session_id: str) -> None:
+        if self.sessions.pop(session_id, None) is not None:
+            self._order.remove(session_id)
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    def _ready_at(self, h: SessionHandle, now: float) -> float | None:
+        """When the session may next be verified (now or later), or None if not at all."""
+        s = h.session
+        if s.done is not None or h.outbox.qsize() > h.outbox.maxsize - 2:
+            return None
+        if s.candidates:
+            return now
+        mode = s.request.draft_mode
+        if mode is DraftMode.NONE:
+            return now
+        if mode is DraftMode.SYNC:
+            return None  # the edge always sends its k drafts: wait for them
+        if self.config.idle_policy == "ar":
+            return now
+        return h.idle_since + self.config.idle_wait_s
+
+    def _pick(self) -> tuple[SessionHandle | None, float | None]:
+        now = time.monotonic()
+        soonest: float | None = None
+        for _ in range(len(self._order)):
+            sid = self._order[0]
+            self._order.rotate(-1)
+            h = self.sessions[sid]
+            at = self._ready_at(h, now)
+            if at is None:
+                continue
+            if at <= now:
+                return h, None
+            soonest = at if soonest is None else min(soonest, at)
+        return None, soonest
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            handle, soonest = self._pick()
+            if handle is None:
+                self._wake.clear()
+                timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            s = handle.session
+            task = s.next_task(self.config.max_verify_tokens)
+            assert task is not None
+            prefix = s.tokens[: task.start]  # a copy: drafts may arrive while the model runs
+            t0 = time.monotonic()
+            try:
+                logits = await loop.run_in_executor(
+                    self._pool, self.engine.verify_logits, handle.kv, prefix, task.drafts
+                )
+            except Exception as exc:  # a failing model must not take the other sessions down
+                log.exception("session %s: verification failed", s.session_id)
+                handle.outbox.put_nowait(exc)
+                self.remove(s.session_id)
+                continue
+            self.busy_s += time.monotonic() - t0
+            self._deliver(handle, task, logits)
+
+    def _deliver(self, handle: SessionHandle, task: VerifyTask, logits) -> None:  # type: ignore[no-untyped-def]
+        s = handle.session
+        if s.session_id not in self.sessions:
+            return  # the edge went away during the forward pass
+        for event in s.apply(task, logits):
+            handle.outbox.put_nowait(event)
+        if not s.candidates:
+            handle.idle_since = time.monotonic()
+        if s.done is not None:
+            handle.kv.crop(0)
+            self.remove(s.session_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""Small pieces both edge and server need: tokenizer fingerprint, export metadata."""

@@ -1,0 +1,141 @@
+"""Conversion between the protocol core's dataclasses and the specsplit.v1 protobuf messages.
+
+The only module of the core that knows about protobuf; transports call it at the edges.
+"""
+from __future__ import annotations
+
+from specsplit.protocol.errors import InvalidOpen, MalformedDraft
+from specsplit.protocol.messages import (
+    Close,
+    Done,
+    DoneReason,
+    DraftChunk,
+    DraftMode,
+    Opened,
+    OpenRequest,
+    SamplingParams,
+    SparseDist,
+    Verdict,
+    VerificationMode,
+)
+from specsplit.v1 import specsplit_pb2 as pb
+
+EdgeEvent = OpenRequest | DraftChunk | Close
+ServerEvent = Opened | Verdict | Done
+
+
+def _enum(enum_cls, value: int, what: str):  # type: ignore[no-untyped-def]
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise InvalidOpen(f"unknown {what} {value}") from None
+
+
+def open_to_pb(req: OpenRequest) -> pb.EdgeMessage:
+    s = req.sampling
+    return pb.EdgeMessage(
+        open=pb.Open(
+            prompt_ids=req.prompt_ids,
+            sampling=pb.Sampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
+            max_new_tokens=req.max_new_tokens,
+            stop_ids=req.stop_ids,
+            draft_model=req.draft_model,
+            tokenizer_fingerprint=req.tokenizer_fingerprint,
+            verification=0 if req.verification is None else int(req.verification),
+            draft_mode=int(req.draft_mode),
+            committed_ids=req.committed_ids,
+        )
+    )
+
+
+def draft_to_pb(chunk: DraftChunk) -> pb.EdgeMessage:
+    return pb.EdgeMessage(
+        draft=pb.Draft(
+            start=chunk.start,
+            tokens=chunk.tokens,
+            parent_hash=chunk.parent_hash,
+            dists=[pb.DraftDistribution(ids=d.ids, probs=d.probs) for d in chunk.dists],
+        )
+    )
+
+
+def close_to_pb() -> pb.EdgeMessage:
+    return pb.EdgeMessage(close=pb.Close())
+
+
+def edge_from_pb(msg: pb.EdgeMessage) -> EdgeEvent:
+    kind = msg.WhichOneof("kind")
+    if kind == "open":
+        o = msg.open
+        s = o.sampling
+        return OpenRequest(
+            prompt_ids=tuple(o.prompt_ids),
+            max_new_tokens=o.max_new_tokens,
+            sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed),
+            stop_ids=tuple(o.stop_ids),
+            verification=None if o.verification == 0 else _enum(VerificationMode, o.verification, "verification mode"),
+            draft_mode=DraftMode.ASYNC if o.draft_mode == 0 else _enum(DraftMode, o.draft_mode, "draft mode"),
+            draft_model=o.draft_model,
+            tokenizer_fingerprint=o.tokenizer_fingerprint,
+            committed_ids=tuple(o.committed_ids),
+        )
+    if kind == "draft":
+        d = msg.draft
+        return DraftChunk(
+            start=d.start,
+            tokens=tuple(d.tokens),
+            parent_hash=d.parent_hash,
+            dists=tuple(SparseDist(tuple(x.ids), tuple(x.probs)) for x in d.dists),
+        )
+    if kind == "close":
+        return Close()
+    raise MalformedDraft("edge message carries none of open, draft, close")
+
+
+def server_to_pb(event: ServerEvent) -> pb.ServerMessage:
+    if isinstance(event, Verdict):
+        return pb.ServerMessage(
+            verdict=pb.Verdict(
+                start=event.start,
+                tokens=event.tokens,
+                accepted=event.accepted,
+                proposed=event.proposed,
+                candidate_tip=event.candidate_tip,
+                verifications=event.verifications,
+                chunks_received=event.chunks_received,
+                drafts_dropped=event.drafts_dropped,
+            )
+        )
+    if isinstance(event, Done):
+        return pb.ServerMessage(done=pb.Done(reason=int(event.reason), committed_length=event.committed_length))
+    return pb.ServerMessage(
+        opened=pb.Opened(
+            session_id=event.session_id,
+            target_model=event.target_model,
+            max_context=event.max_context,
+            max_lookahead=event.max_lookahead,
+            vocab_size=event.vocab_size,
+        )
+    )
+
+
+def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
+    kind = msg.WhichOneof("kind")
+    if kind == "verdict":
+        v = msg.verdict
+        return Verdict(
+            start=v.start,
+            tokens=tuple(v.tokens),
+            accepted=v.accepted,
+            proposed=v.proposed,
+            candidate_tip=v.candidate_tip,
+            verifications=v.verifications,
+            chunks_received=v.chunks_received,
+            drafts_dropped=v.drafts_dropped,
+        )
+    if kind == "done":
+        return Done(DoneReason(msg.done.reason), msg.done.committed_length)
+    if kind == "opened":
+        o = msg.opened
+        return Opened(o.session_id, o.target_model, o.max_context, o.max_lookahead, o.vocab_size)
+    raise ValueError("server message carries none of opened, verdict, done")

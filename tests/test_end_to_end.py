@@ -1,0 +1,184 @@
+"""The real exporter, a real server process, the real edge client, over loopback gRPC."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from functools import lru_cache
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specsplit.edge.client import EdgeConfig, generate
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol.messages import SamplingParams, VerificationMode
+from specsplit.protocol.sampling import process_logits
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from transformers import AutoModelForCausalLM
+from conftest import PROBE_PROMPT
+
+PROMPTS = [PROBE_PROMPT, "The quick brown fox", "for i in range(10):\n    print(i"]
+LENGTHS = [1, 9, 40]
+
+
+@lru_cache(maxsize=None)
+def target_model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def reference(path: str, prompt_ids: list[int], max_new: int) -> list[int]:
+    model = target_model(path)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new, do_sample=False)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def run(server: str, prompt_ids, cfg: EdgeConfig, draft_dir=None, **kw):
+    drafter = OnnxDrafter(draft_dir) if draft_dir is not None else None
+    fingerprint = kw.pop("fingerprint", EdgeTokenizer(draft_dir).fingerprint if draft_dir else "")
+    return asyncio.run(generate(server, prompt_ids, cfg, drafter=drafter, fingerprint=fingerprint, **kw))
+
+
+@pytest.mark.parametrize(
+    ("mode", "draft"),
+    [("async", "draft_dir"), ("async", "same_dir"), ("sync", "draft_dir"), ("sync", "same_dir"), ("none", None)],
+)
+def test_greedy_output_equals_target_generate(tiny, server, mode, draft) -> None:
+    tok = EdgeTokenizer(tiny.draft_dir)
+    draft_dir = getattr(tiny, draft) if draft else None
+    endings = set()
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        for n in LENGTHS:
+            cfg = EdgeConfig(mode=mode, max_new_tokens=n, window=8, k=4)
+            result = run(server, ids, cfg, draft_dir, fingerprint=tok.fingerprint)
+            want = reference(str(tiny.target_dir), ids, n)
+            assert result.tokens == want, (prompt, n)
+            endings.add(result.stats.done_reason)
+            if draft == "same_dir":
+                assert result.stats.acceptance_rate == 1.0 or result.stats.drafts_proposed == 0
+    assert endings == {"eos", "length"}, endings
+
+
+def test_chat_template_and_stop_ids(tiny, server) -> None:
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode(tok.chat_prompt("hello"))
+    assert ids[0] == tok.token_id("<|im_start|>")
+    want = reference(str(tiny.target_dir), ids, 20)
+    stop = want[3]
+    result = run(server, ids, EdgeConfig(max_new_tokens=20, stop_ids=(stop,)), tiny.draft_dir)
+    assert result.tokens == want[: want.index(stop) + 1] and result.stats.done_reason == "stop"
+
+
+def _first_two_counts(server, tiny, ids, mode, params, sessions) -> np.ndarray:
+    """Run many short sampled sessions concurrently; count (first, second) token pairs."""
+
+    async def main():
+        sem = asyncio.Semaphore(16)
+        drafters = [OnnxDrafter(tiny.draft_dir) for _ in range(16)]
+        fp = EdgeTokenizer(tiny.draft_dir).fingerprint
+        async with grpc.aio.insecure_channel(server) as ch:
+            async def one(i):
+                async with sem:
+                    drafter = drafters.pop()
+                    try:
+                        sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
+                        cfg = EdgeConfig(max_new_tokens=2, sampling=sampling, verification=mode, window=4)
+                        r = await generate(server, ids, cfg, drafter=drafter, fingerprint=fp, channel=ch)
+                        return r.tokens
+                    finally:
+                        drafter.reset()
+                        drafters.append(drafter)
+            return await asyncio.gather(*(one(i) for i in range(sessions)))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", [VerificationMode.MATCH, VerificationMode.SPARSE_Q])
+def test_sampled_output_follows_target_distribution(tiny, server, mode) -> None:
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("import numpy")
+    params = SamplingParams(temperature=1.5, top_k=6)
+    sessions = 360
+    pairs = _first_two_counts(server, tiny, ids, mode, params, sessions)
+    model = target_model(str(tiny.target_dir))
+    with torch.no_grad():
+        p0 = process_logits(model(torch.tensor([ids])).logits[0, -1].numpy(), params)
+    first = np.array([t[0] for t in pairs])
+    support = np.flatnonzero(p0)
+    assert set(first) <= set(support)
+    obs = np.array([(first == s).sum() for s in support])
+    assert chisquare(obs, p0[support] * sessions).pvalue > 1e-3
+    # The second position, conditioned on the first: pool the 36 (y0, y1) cells.
+    expected, observed = [], []
+    for y0 in support:
+        with torch.no_grad():
+            p1 = process_logits(model(torch.tensor([ids + [int(y0)]])).logits[0, -1].numpy(), params)
+        for y1 in np.flatnonzero(p1):
+            expected.append(p0[y0] * p1[y1] * sessions)
+            observed.append(sum(1 for a, b in pairs if a == y0 and b == y1))
+    assert sum(observed) == sessions, "a second token outside the target's support was committed"
+    expected, observed = np.array(expected), np.array(observed)
+    big = expected >= 5
+    obs_b = np.append(observed[big], observed[~big].sum())
+    exp_b = np.append(expected[big], expected[~big].sum())
+    assert chisquare(obs_b, exp_b).pvalue > 1e-3
+
+
+def test_fingerprint_mismatch_is_failed_precondition(tiny, server) -> None:
+    tok = EdgeTokenizer(tiny.draft_dir)
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        run(server, tok.encode("hi"), EdgeConfig(max_new_tokens=4), tiny.draft_dir, fingerprint="0123456789abcdef")
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(tiny.draft_dir) in exc.value.details() or "draft" in exc.value.details()
+    assert str(tiny.target_dir) in exc.value.details()
+
+
+def test_draft_before_open_over_grpc(server) -> None:
+    with grpc.insecure_channel(server) as ch:
+        stub = pb_grpc.SpecSplitStub(ch)
+        msgs = [pb.EdgeMessage(draft=pb.Draft(start=1, tokens=[1], parent_hash=0))]
+        with pytest.raises(grpc.RpcError) as exc:
+            list(stub.Generate(iter(msgs), timeout=10))
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+BLOCKER = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'transformers'):
+            raise ImportError(f'{name} is not available on the edge')
+sys.meta_path.insert(0, Block())
+from specsplit.edge.cli import main
+rc = main(sys.argv[1:])
+assert 'torch' not in sys.modules and 'transformers' not in sys.modules
+sys.exit(rc)
+"""
+
+
+def test_edge_runs_without_torch_or_transformers(tiny, server) -> None:
+    args = ["generate", "--server", server, "--draft", str(tiny.draft_dir), "--max-new-tokens", "12", "--json", "--raw",
+            "The quick brown fox"]
+    proc = subprocess.run([sys.executable, "-c", BLOCKER, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    tok = EdgeTokenizer(tiny.draft_dir)
+    assert out["token_ids"] == reference(str(tiny.target_dir), tok.encode("The quick brown fox"), 12)
+
+
+def test_edge_cli_streams_text_and_stats(tiny, server) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
+         "--max-new-tokens", "10", "--mode", "sync", "hello"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("[sync] 10 tokens")

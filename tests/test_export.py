@@ -1,0 +1,36 @@
+"""The exporter refuses an export whose ONNX Runtime logits disagree with torch."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from specsplit.server import export as export_mod
+from specsplit.server.export import ExportParityError, export_draft, parity_check
+from specsplit.server.loading import load_model
+
+
+def test_parity_check_fails_on_a_broken_export(tiny, tmp_path, monkeypatch) -> None:
+    real_export = export_mod._export_graph
+
+    def broken_export(loaded, path, opset):
+        real_export(loaded, path, opset)
+        model = onnx.load(str(path))
+        weight = max(model.graph.initializer, key=lambda t: np.prod(t.dims))  # embedding or lm head
+        arr = numpy_helper.to_array(weight).copy()
+        arr[: arr.shape[0] // 2] *= 1.5
+        weight.CopyFrom(numpy_helper.from_array(arr, weight.name))
+        onnx.save(model, str(path))
+
+    monkeypatch.setattr(export_mod, "_export_graph", broken_export)
+    out = tmp_path / "broken"
+    with pytest.raises(ExportParityError, match="refusing"):
+        export_draft(str(tiny.target_dir), out)
+    assert not out.exists()
+
+
+def test_good_export_passes_parity_with_kv(tiny) -> None:
+    loaded = load_model(str(tiny.target_dir), attn="eager")
+    report = parity_check(loaded, tiny.same_dir / "model.onnx")
+    assert report.max_abs_diff <= export_mod.DEFAULT_TOLERANCE and report.top1_agreement == 1.0
