@@ -62,6 +62,10 @@ async def _generate(args: argparse.Namespace) -> int:
         on_commit=stream,
     )
     final = tokenizer.decode(result.tokens)
+    if args.stats_json:
+        Path(args.stats_json).write_text(
+            json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens, "commit_times": result.commit_times})
+        )
     if args.json:
         print(json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens}))
     else:
@@ -94,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
+    g.add_argument("--stats-json", metavar="FILE", help="also write stats, text, token ids and commit times to FILE")
     return p
 
 

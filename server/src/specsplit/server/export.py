@@ -24,7 +24,9 @@ from specsplit.server.loading import LoadedModel, load_model, source_sha256
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOLERANCE = 1e-3  # max |logit difference|, ONNX Runtime fp32 vs torch fp32
+# Max |logit difference|, ONNX Runtime fp32 vs torch fp32. Real 0.5B models land near
+# 1e-3 (logits of magnitude ~20); a broken graph is off by whole units.
+DEFAULT_TOLERANCE = 5e-3
 PARITY_PROMPTS = ["def fibonacci(n):", "Hello, world! How are", "import numpy as np\nx ="]
 
 
@@ -162,11 +164,13 @@ def export_draft(
             )
         final = work / "final"
         final.mkdir()
+        extra = {}
         if quantize == "int8":
             log.info("quantizing weights to int8")
             quantize_int8(fp32, final / MODEL_FILE)
             q = parity_check(loaded, final / MODEL_FILE)
             log.info("int8: max |logit diff| %.2e, top-1 agreement %.3f", q.max_abs_diff, q.top1_agreement)
+            extra = {"int8_max_abs_logit_diff": q.max_abs_diff, "int8_top1_agreement": q.top1_agreement}
         else:
             for f in fp32.parent.iterdir():
                 shutil.move(str(f), final / f.name)
@@ -183,6 +187,7 @@ def export_draft(
             source_sha256=source_sha256(model_path),
             quantization=quantize,
             max_abs_logit_diff=report.max_abs_diff,
+            extra=extra,
         )
         meta.save(final)
         if out_dir.exists():

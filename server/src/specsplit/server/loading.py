@@ -13,6 +13,24 @@ from specsplit.common.fingerprint import vocab_fingerprint
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are only fast on CPUs with native bf16 (AVX512-BF16 or AMX); elsewhere
+    they fall back to a kernel whose cost grows linearly with the number of tokens, which
+    defeats verifying many drafts in one pass."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bf16 on GPUs and on CPUs with native bf16, else fp32."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if device != "cpu" or cpu_has_fast_bf16() else "fp32"
+
+
 @dataclass
 class LoadedModel:
     model: PreTrainedModel
@@ -47,6 +65,7 @@ def _split_gguf(path: str) -> tuple[str, dict]:
 
 def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None) -> LoadedModel:
     """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id."""
+    dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     source, extra = _split_gguf(path)

