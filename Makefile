@@ -6,7 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test proto clean
+PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
+DEMO_TOKENS ?= 128
+
+.PHONY: venv test demo models proto clean
 
 venv: $(STAMP)
 
@@ -23,6 +26,15 @@ proto: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# Pull and prepare the default models into the cache (~/.cache/specsplit).
+models: $(STAMP)
+	$(VENV)/bin/specsplit-server models prepare
+
+# The main job: server and edge on their own cores, the default pair, one prompt,
+# compared with the server alone. Fails if the two outputs differ.
+demo: $(STAMP)
+	$(PY) bench/demo.py --max-new-tokens $(DEMO_TOKENS) "$(PROMPT)"
 
 clean:
 	rm -rf $(VENV)

@@ -182,3 +182,14 @@ def test_edge_cli_streams_text_and_stats(tiny, server) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("[sync] 10 tokens")
+
+
+def test_health_and_reflection(server) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "health", "--address", server],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "SERVING" in proc.stdout
+    with grpc.insecure_channel(server) as ch:
+        services = ProtoReflectionDescriptorDatabase(ch).get_services()
+    assert "specsplit.v1.SpecSplit" in services and "grpc.health.v1.Health" in services

