@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
 DEMO_TOKENS ?= 128
 
-.PHONY: venv test demo models proto clean
+.PHONY: venv test demo models bench bench-quick proto clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,14 @@ models: $(STAMP)
 # compared with the server alone. Fails if the two outputs differ.
 demo: $(STAMP)
 	$(PY) bench/demo.py --max-new-tokens $(DEMO_TOKENS) "$(PROMPT)"
+
+# Benchmarks over the emulated network (server and edge pinned to their own cores).
+bench: $(STAMP)
+	$(PY) bench/run_bench.py --name full
+
+# A subset under 10 minutes: RTT 50 ms, 3 prompts, 96 new tokens, sync k=4 and 8.
+bench-quick: $(STAMP)
+	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 4 8 --no-hf
 
 clean:
 	rm -rf $(VENV)

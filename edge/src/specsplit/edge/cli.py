@@ -50,6 +50,7 @@ async def _generate(args: argparse.Namespace) -> int:
         verification=VERIFICATION[args.verification] if args.verification else None,
         sparse_top_k=args.sparse_top_k,
         stop_ids=tuple(args.stop_id),
+        timeline=args.timeline,
     )
     stream = None if args.json else TextStream(tokenizer)
     result = await generate(
@@ -64,7 +65,8 @@ async def _generate(args: argparse.Namespace) -> int:
     final = tokenizer.decode(result.tokens)
     if args.stats_json:
         Path(args.stats_json).write_text(
-            json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens, "commit_times": result.commit_times})
+            json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens,
+                        "commit_times": result.commit_times, "timeline": result.timeline})
         )
     if args.json:
         print(json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens}))
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
     g.add_argument("--stats-json", metavar="FILE", help="also write stats, text, token ids and commit times to FILE")
+    g.add_argument("--timeline", action="store_true", help="record a drafting/sending/verdict timeline in --stats-json")
     return p
 
 

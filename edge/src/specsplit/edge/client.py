@@ -46,6 +46,7 @@ class EdgeConfig:
     verification: VerificationMode | None = None
     sparse_top_k: int = 8
     stop_ids: tuple[int, ...] = ()
+    timeline: bool = False  # record drafting, sends and verdicts with timestamps
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -60,6 +61,7 @@ class GenerationResult:
     stats: GenerationStats
     opened: Opened | None = None
     commit_times: list[float] = field(default_factory=list)
+    timeline: list[tuple] = field(default_factory=list)
 
 
 class _Generation:
@@ -96,6 +98,8 @@ class _Generation:
         self.proposer = Proposer(self.request.resolved_mode(), cfg.sampling, cfg.sparse_top_k)
         self.stats = GenerationStats(mode=cfg.mode)
         self.commit_times: list[float] = []
+        self.timeline: list[tuple] = []
+        self._t0 = 0.0
         self.edge: EdgeSession | None = None
         self._changed = asyncio.Event()
         self._verdicts = 0
@@ -112,8 +116,15 @@ class _Generation:
         self.stats.bytes_down += msg.ByteSize() + GRPC_FRAME_BYTES
         return codec.server_from_pb(msg)
 
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _mark(self, *event) -> None:  # type: ignore[no-untyped-def]
+        if self.cfg.timeline:
+            self.timeline.append(event)
+
     async def run(self, stub: pb_grpc.SpecSplitStub) -> GenerationResult:
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         call = stub.Generate()
         await self._write(call, codec.open_to_pb(self.request))
         opened = await self._read_one(call)
@@ -130,8 +141,8 @@ class _Generation:
                 await asyncio.gather(drafting, return_exceptions=True)
             self._pool.shutdown(wait=False)
         await call.done_writing()
-        self.stats.finish(self.edge, time.perf_counter() - t0)
-        return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times)
+        self.stats.finish(self.edge, time.perf_counter() - t0, self.commit_times)
+        return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
     async def _read_loop(self, call, t0: float) -> None:  # type: ignore[no-untyped-def]
         edge = self.edge
@@ -144,11 +155,13 @@ class _Generation:
                 self._verdicts += 1
                 self.stats.add_verdict(event, now)
                 self.commit_times.extend([now] * len(event.tokens))
+                self._mark("verdict", now, event.start, len(event.tokens), event.accepted, event.verify_ms)
                 if self.on_commit is not None:
                     self.on_commit(edge.generated)
             elif isinstance(event, Done):
                 edge.apply_done(event)
                 self.stats.done_reason = event.reason.name.lower()
+                self.stats.target_busy_s = event.target_busy_s
                 self._changed.set()
                 return
             self._changed.set()
@@ -174,7 +187,9 @@ class _Generation:
                 continue
             trajectory = list(edge.tokens)
             tip = edge.tip
+            started = self._now()
             logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
+            self._mark("draft", started, self._now(), len(trajectory))
             if edge.done is not None or edge.tip != tip:
                 continue  # a verdict changed the trajectory meanwhile: draft again from it
             edge.push_draft(*self.proposer.propose(logits, len(trajectory)))
@@ -184,6 +199,7 @@ class _Generation:
             if chunk is not None:
                 if sync:
                     awaiting = self._verdicts
+                self._mark("send", self._now(), chunk.start, len(chunk.tokens))
                 await self._write(call, codec.draft_to_pb(chunk))
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import Verdict
 
@@ -24,6 +26,10 @@ class GenerationStats:
     bytes_up: int = 0
     bytes_down: int = 0
     done_reason: str = ""
+    itl_p50_ms: float = 0.0  # inter-token latency over committed tokens (0 within one verdict)
+    itl_p99_ms: float = 0.0
+    target_busy_s: float = 0.0  # the server's time on this session's verifications
+    server_idle_fraction: float = 0.0  # of the generation's wall time, the target did not work for it
 
     def add_verdict(self, v: Verdict, elapsed_s: float) -> None:
         if self.ttft_s is None and v.tokens:
@@ -32,8 +38,13 @@ class GenerationStats:
         self.drafts_proposed += v.proposed
         self.drafts_accepted += v.accepted
 
-    def finish(self, edge: EdgeSession, elapsed_s: float) -> None:
+    def finish(self, edge: EdgeSession, elapsed_s: float, commit_times: list[float]) -> None:
         self.tokens = len(edge.generated)
+        if len(commit_times) > 1:
+            gaps = np.diff(commit_times) * 1000
+            self.itl_p50_ms = float(np.percentile(gaps, 50))
+            self.itl_p99_ms = float(np.percentile(gaps, 99))
+        self.server_idle_fraction = max(0.0, 1.0 - self.target_busy_s / elapsed_s) if elapsed_s > 0 else 0.0
         self.elapsed_s = elapsed_s
         self.tokens_per_s = self.tokens / elapsed_s if elapsed_s > 0 else 0.0
         self.acceptance_rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0

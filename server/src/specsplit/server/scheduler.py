@@ -9,13 +9,14 @@ skipped rather than waited for, so it cannot slow the others.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specsplit.protocol.messages import DraftMode
+from specsplit.protocol.messages import Done, DraftMode, Verdict
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import KVState, TargetEngine
 
@@ -42,6 +43,7 @@ class SessionHandle:
     outbox: asyncio.Queue
     kv: KVState = field(default_factory=KVState)
     idle_since: float = field(default_factory=time.monotonic)
+    busy_s: float = 0.0  # time the target spent on this session
 
 
 class VerificationWorker:
@@ -124,14 +126,20 @@ class VerificationWorker:
                 handle.outbox.put_nowait(exc)
                 self.remove(s.session_id)
                 continue
-            self.busy_s += time.monotonic() - t0
-            self._deliver(handle, task, logits)
+            elapsed = time.monotonic() - t0
+            self.busy_s += elapsed
+            handle.busy_s += elapsed
+            self._deliver(handle, task, logits, elapsed)
 
-    def _deliver(self, handle: SessionHandle, task: VerifyTask, logits) -> None:  # type: ignore[no-untyped-def]
+    def _deliver(self, handle: SessionHandle, task: VerifyTask, logits, elapsed: float) -> None:  # type: ignore[no-untyped-def]
         s = handle.session
         if s.session_id not in self.sessions:
             return  # the edge went away during the forward pass
         for event in s.apply(task, logits):
+            if isinstance(event, Verdict):
+                event = dataclasses.replace(event, verify_ms=elapsed * 1000)
+            elif isinstance(event, Done):
+                event = dataclasses.replace(event, target_busy_s=handle.busy_s)
             handle.outbox.put_nowait(event)
         if not s.candidates:
             handle.idle_since = time.monotonic()

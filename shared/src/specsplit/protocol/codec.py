@@ -104,10 +104,15 @@ def server_to_pb(event: ServerEvent) -> pb.ServerMessage:
                 verifications=event.verifications,
                 chunks_received=event.chunks_received,
                 drafts_dropped=event.drafts_dropped,
+                verify_ms=event.verify_ms,
             )
         )
     if isinstance(event, Done):
-        return pb.ServerMessage(done=pb.Done(reason=int(event.reason), committed_length=event.committed_length))
+        return pb.ServerMessage(
+            done=pb.Done(
+                reason=int(event.reason), committed_length=event.committed_length, target_busy_s=event.target_busy_s
+            )
+        )
     return pb.ServerMessage(
         opened=pb.Opened(
             session_id=event.session_id,
@@ -132,9 +137,10 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
             verifications=v.verifications,
             chunks_received=v.chunks_received,
             drafts_dropped=v.drafts_dropped,
+            verify_ms=v.verify_ms,
         )
     if kind == "done":
-        return Done(DoneReason(msg.done.reason), msg.done.committed_length)
+        return Done(DoneReason(msg.done.reason), msg.done.committed_length, msg.done.target_busy_s)
     if kind == "opened":
         o = msg.opened
         return Opened(o.session_id, o.target_model, o.max_context, o.max_lookahead, o.vocab_size)

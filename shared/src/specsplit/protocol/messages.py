@@ -113,12 +113,14 @@ class Verdict:
     verifications: int = 0
     chunks_received: int = 0
     drafts_dropped: int = 0
+    verify_ms: float = 0.0  # filled in by the transport, which owns the clock
 
 
 @dataclass(frozen=True)
 class Done:
     reason: DoneReason
     committed_length: int
+    target_busy_s: float = 0.0  # filled in by the transport, which owns the clock
 
 
 @dataclass(frozen=True)

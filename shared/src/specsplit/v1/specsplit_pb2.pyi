@@ -127,7 +127,7 @@ class Opened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., max_context: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("start", "tokens", "accepted", "proposed", "candidate_tip", "verifications", "chunks_received", "drafts_dropped")
+    __slots__ = ("start", "tokens", "accepted", "proposed", "candidate_tip", "verifications", "chunks_received", "drafts_dropped", "verify_ms")
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class Verdict(_message.Message):
     VERIFICATIONS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
@@ -144,15 +145,18 @@ class Verdict(_message.Message):
     verifications: int
     chunks_received: int
     drafts_dropped: int
-    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., proposed: _Optional[int] = ..., candidate_tip: _Optional[int] = ..., verifications: _Optional[int] = ..., chunks_received: _Optional[int] = ..., drafts_dropped: _Optional[int] = ...) -> None: ...
+    verify_ms: float
+    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., proposed: _Optional[int] = ..., candidate_tip: _Optional[int] = ..., verifications: _Optional[int] = ..., chunks_received: _Optional[int] = ..., drafts_dropped: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("reason", "committed_length")
+    __slots__ = ("reason", "committed_length", "target_busy_s")
     REASON_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     reason: DoneReason
     committed_length: int
-    def __init__(self, reason: _Optional[_Union[DoneReason, str]] = ..., committed_length: _Optional[int] = ...) -> None: ...
+    target_busy_s: float
+    def __init__(self, reason: _Optional[_Union[DoneReason, str]] = ..., committed_length: _Optional[int] = ..., target_busy_s: _Optional[float] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
     __slots__ = ("opened", "verdict", "done")

@@ -1,0 +1,119 @@
+"""A TCP proxy that adds one-way delay and a bandwidth cap in both directions.
+
+User-space stand-in for netem: every chunk read from one side is delivered to the
+other `delay` seconds later, and no faster than `rate` allows (a chunk occupies the
+link for len * 8 / rate seconds, in order). The proxy can also be paused, to stall
+the network without closing connections.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class LinkConfig:
+    delay_s: float = 0.0  # one way
+    rate_bps: float = 0.0  # bits per second each way; 0: unlimited
+
+
+class NetemProxy:
+    def __init__(self, target_host: str, target_port: int, link: LinkConfig) -> None:
+        self.target = (target_host, target_port)
+        self.link = link
+        self.bytes_up = 0  # client -> target
+        self.bytes_down = 0
+        self._running = asyncio.Event()
+        self._running.set()
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            target_r, target_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            client_w.close()
+            return
+        up = asyncio.create_task(self._pump(client_r, target_w, "up"))
+        down = asyncio.create_task(self._pump(target_r, client_w, "down"))
+        self._tasks |= {up, down}
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (up, down):
+            t.cancel()
+        for w in (client_w, target_w):
+            w.close()
+        self._tasks -= {up, down}
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def deliver() -> None:
+            link_free = 0.0
+            while True:
+                arrived, data = await queue.get()
+                if data is None:
+                    with contextlib.suppress(OSError):
+                        writer.write_eof()
+                    return
+                await self._running.wait()
+                start = max(arrived + self.link.delay_s, link_free)
+                if self.link.rate_bps > 0:
+                    start += len(data) * 8 / self.link.rate_bps
+                link_free = start
+                wait = start - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                writer.write(data)
+                await writer.drain()
+                if direction == "up":
+                    self.bytes_up += len(data)
+                else:
+                    self.bytes_down += len(data)
+
+        sender = asyncio.create_task(deliver())
+        try:
+            while data := await reader.read(65536):
+                queue.put_nowait((time.monotonic(), data))
+            queue.put_nowait((time.monotonic(), None))
+            await sender
+        finally:
+            sender.cancel()
+
+
+async def _main(args: argparse.Namespace) -> None:
+    host, port = args.target.rsplit(":", 1)
+    proxy = NetemProxy(host, int(port), LinkConfig(args.delay_ms / 1000, args.rate_mbit * 1e6))
+    listen = await proxy.start(args.host, args.port)
+    print(f"proxy 127.0.0.1:{listen} -> {args.target}, one-way delay {args.delay_ms} ms, rate "
+          f"{args.rate_mbit or 'unlimited'} Mbit/s", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--target", required=True, help="HOST:PORT to forward to")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
+    p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
+    asyncio.run(_main(p.parse_args()))

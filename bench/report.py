@@ -1,0 +1,162 @@
+"""Summaries and the Markdown report of a benchmark run."""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+MODE_ORDER = ["none", "sync-2", "sync-4", "sync-6", "sync-8", "async", "draft", "hf-assisted"]
+
+
+def _mean(xs) -> float:  # type: ignore[no-untyped-def]
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _reference(runs: list[dict]) -> dict:
+    """Token ids of the server-only run per prompt (the first RTT's, for network-free modes)."""
+    ref: dict = {}
+    for r in runs:
+        if r["mode"] == "none":
+            ref.setdefault((r["rtt_ms"], r["prompt"]), r["token_ids"])
+            ref.setdefault((None, r["prompt"]), r["token_ids"])
+    return ref
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    ref = _reference(runs)
+    groups: dict = defaultdict(list)
+    for r in runs:
+        groups[(r["mode"], r["rtt_ms"])].append(r)
+    none_tps = {rtt: {r["prompt"]: r["tokens_per_s"] for r in g} for (m, rtt), g in groups.items() if m == "none"}
+    out = []
+    for (mode, rtt), g in groups.items():
+        tokens = sum(r["tokens"] for r in g)
+        base = none_tps.get(rtt) or next(iter(none_tps.values()), {})
+        ratios = [r["tokens_per_s"] / base[r["prompt"]] for r in g if base.get(r["prompt"])]
+        identical = [r["token_ids"] == ref.get((rtt, r["prompt"])) for r in g if (rtt, r["prompt"]) in ref]
+        out.append({
+            "mode": mode,
+            "rtt_ms": rtt,
+            "prompts": len(g),
+            "tokens": tokens,
+            "tokens_per_s": _mean(r["tokens_per_s"] for r in g),
+            "speedup_vs_none": _mean(ratios) if ratios else None,
+            "ttft_ms": _mean(r.get("ttft_s", 0) * 1000 for r in g) if mode not in ("draft", "hf-assisted") else None,
+            "itl_p50_ms": _mean(r.get("itl_p50_ms") for r in g),
+            "itl_p99_ms": _mean(r.get("itl_p99_ms") for r in g),
+            "acceptance_rate": _mean(r.get("acceptance_rate") for r in g),
+            "mean_accepted": _mean(r.get("mean_accepted") for r in g),
+            "drafts_wasted": sum(r.get("drafts_wasted", 0) for r in g),
+            "verifications": sum(r.get("verifications", 0) for r in g),
+            "server_idle_fraction": _mean(r.get("server_idle_fraction") for r in g),
+            "bytes_up_per_token": sum(r.get("bytes_up", 0) for r in g) / tokens if tokens else 0.0,
+            "bytes_down_per_token": sum(r.get("bytes_down", 0) for r in g) / tokens if tokens else 0.0,
+            "identical": all(identical) if identical else None,
+        })
+    out.sort(key=lambda s: (s["rtt_ms"] is None, s["rtt_ms"] or 0, MODE_ORDER.index(s["mode"])
+                            if s["mode"] in MODE_ORDER else 99))
+    return out
+
+
+def _fmt(x, spec: str = ".2f") -> str:  # type: ignore[no-untyped-def]
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return format(x, spec)
+
+
+def timeline_chart(run: dict, delay_s: float, width_s: float = 12.0, step_s: float = 0.1) -> tuple[str, dict]:
+    """Three lanes over the first seconds of one run: the edge drafting, the target
+    verifying this session, and committed tokens arriving at the edge."""
+    events = run.get("timeline") or []
+    cells = int(width_s / step_s)
+    draft, verify, commit = [" "] * cells, [" "] * cells, [" "] * cells
+
+    def paint(lane: list[str], a: float, b: float, ch: str) -> None:
+        for i in range(max(0, int(a / step_s)), min(cells, int(b / step_s) + 1)):
+            lane[i] = ch
+
+    totals = {"drafting_s": 0.0, "verifying_s": 0.0}
+    for ev in events:
+        if ev[0] == "draft":
+            paint(draft, ev[1], ev[2], "D")
+            totals["drafting_s"] += ev[2] - ev[1]
+        elif ev[0] == "verdict":
+            t, n_tokens, verify_ms = ev[1], ev[3], ev[5]
+            end = t - delay_s
+            paint(verify, end - verify_ms / 1000, end, "V")
+            totals["verifying_s"] += verify_ms / 1000
+            paint(commit, t, t, str(min(n_tokens, 9)))
+    axis = "".join("|" if i % 10 == 0 else "." for i in range(cells))
+    return "\n".join([
+        f"time      {axis}  (one cell = {step_s * 1000:.0f} ms, '|' every second)",
+        f"edge      {''.join(draft)}  D = drafting",
+        f"target    {''.join(verify)}  V = verifying this session",
+        f"commits   {''.join(commit)}  digit = tokens committed by a verdict arriving at the edge",
+    ]), totals
+
+
+def render_markdown(result: dict) -> str:
+    m, s = result["machine"], result["settings"]
+    lines = [
+        f"# Benchmark `{result['name']}` ({result['date']})",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['machine']}, native bf16: {m['native_bf16']}",
+        f"- pinning: {result['pinning']}",
+        f"- models: target {result['models']['target']} served in {result['models']['target_dtype']}; "
+        f"draft {result['models']['draft']} (ONNX, {result['models']['draft_quantization']})",
+        f"- network: {result['network']['how']}; RTT {', '.join(f'{r:g}' for r in result['network']['rtt_ms'])} ms; "
+        f"bandwidth cap {result['network']['rate_mbit'] or 'none'}",
+        f"- greedy, {s['max_new_tokens']} new tokens, prompts: {', '.join(s['prompts'])}; async window {s['window']}; "
+        f"server args: `{s['server_args'] or 'defaults'}`",
+        f"- wall time of the run: {result['wall_s'] / 60:.1f} min",
+        "",
+        "Means over the prompt set; speedup is the mean of per-prompt ratios to `none` at the same RTT. "
+        "ITL is the gap between consecutive committed tokens (0 within one verdict).",
+        "",
+        "| RTT ms | mode | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | accepted/verif | wasted | verifs "
+        "| server idle | B up/tok | B down/tok | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["summary"]:
+        lines.append(
+            f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {_fmt(r['tokens_per_s'])} "
+            f"| {_fmt(r['speedup_vs_none'])}x | {_fmt(r['ttft_ms'], '.0f')} "
+            f"| {_fmt(r['itl_p50_ms'], '.0f')}/{_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['acceptance_rate'], '.0%')} "
+            f"| {_fmt(r['mean_accepted'])} | {r['drafts_wasted']} | {r['verifications']} "
+            f"| {_fmt(r['server_idle_fraction'], '.0%')} | {_fmt(r['bytes_up_per_token'], '.1f')} "
+            f"| {_fmt(r['bytes_down_per_token'], '.1f')} | {_fmt(r['identical'])} |"
+        )
+    goal = [r for r in result["summary"] if r["rtt_ms"] == 50]
+    if goal:
+        by = {r["mode"]: r for r in goal}
+        syncs = [r for r in goal if r["mode"].startswith("sync")]
+        if "async" in by and syncs:
+            best = max(syncs, key=lambda r: r["tokens_per_s"])
+            lines += [
+                "",
+                "## Goal at RTT 50 ms",
+                "",
+                f"- async vs none: {_fmt(by['async']['speedup_vs_none'])}x (goal 3.0x)",
+                f"- async vs best sync ({best['mode']}): {by['async']['tokens_per_s'] / best['tokens_per_s']:.2f}x "
+                f"(goal 1.3x)",
+                f"- every output identical to none: {_fmt(all(r['identical'] is not False for r in goal))}",
+            ]
+    runs = [r for r in result["runs"] if r["mode"] == "async" and r.get("timeline")]
+    if runs:
+        pick = next((r for r in runs if r["rtt_ms"] == 50), runs[0])
+        chart, totals = timeline_chart(pick, (pick["rtt_ms"] or 0) / 2000)
+        lines += [
+            "",
+            f"## Where the time goes: async, RTT {pick['rtt_ms']:g} ms, prompt `{pick['prompt']}`",
+            "",
+            f"Over the whole run ({pick['elapsed_s']:.1f} s): the edge drafted for {totals['drafting_s']:.1f} s, the "
+            f"target verified this session for {totals['verifying_s']:.1f} s; time to first token "
+            f"{pick['ttft_s'] * 1000:.0f} ms (the prompt's prefill).",
+            "",
+            "```",
+            chart,
+            "```",
+        ]
+    return "\n".join(lines) + "\n"

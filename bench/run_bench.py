@@ -1,0 +1,150 @@
+"""Benchmark: server-only, synchronous and asynchronous speculative decoding over an
+emulated network, plus the draft alone and Hugging Face assisted generation.
+
+Everything runs side by side in one run on the same prompts: the server pinned to one
+core, edges (and this driver, and the network proxy) on the other, one thread each.
+Writes bench/results/<name>.json and a Markdown table beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from netem_proxy import LinkConfig, NetemProxy
+from orchestrate import pin, run_edge, running_server
+from report import render_markdown, summarize
+
+from specsplit.server import models
+from specsplit.server.loading import resolve_dtype
+
+HERE = Path(__file__).resolve().parent
+SERVER_CORE, EDGE_CORE = 1, 0
+
+
+class ProxyThread:
+    """The netem proxy on its own event loop in a background thread."""
+
+    def __init__(self, target: str, delay_s: float, rate_bps: float) -> None:
+        host, port = target.rsplit(":", 1)
+        self.loop = asyncio.new_event_loop()
+        self.proxy = NetemProxy(host, int(port), LinkConfig(delay_s, rate_bps))
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self.proxy.start(), self.loop).result()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.proxy.close(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+def run_script(script: str, args: list[str], core: int) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
+                          preexec_fn=pin([core]), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} failed: {proc.stderr[-2000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def machine() -> dict:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((l.split(":", 1)[1].strip() for l in flags.splitlines() if l.startswith("model name")), "")
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "machine": platform.machine(),
+            "python": platform.python_version(), "native_bf16": "avx512_bf16" in flags or "amx_bf16" in flags}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--name", default="full")
+    p.add_argument("--rtt-ms", type=float, nargs="+", default=[0, 20, 50, 100])
+    p.add_argument("--prompts", type=int, default=0, help="use the first N prompts (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
+    p.add_argument("--window", type=int, default=16, help="async lookahead window")
+    p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
+    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
+    p.add_argument("--server-args", default="", help="extra arguments for specsplit-server serve")
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+
+    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
+        os.sched_setaffinity(0, {EDGE_CORE})  # the driver and the proxy stay off the server's core
+    prompts = json.loads((HERE / "prompts.json").read_text())["prompts"]
+    prompts = prompts[: args.prompts] if args.prompts else prompts
+    texts = [pr["text"] for pr in prompts]
+    pair = models.prepare()
+    ggufs = models.pull()
+    n = str(args.max_new_tokens)
+    started = time.time()
+    runs: list[dict] = []
+
+    def record(mode: str, rtt, prompt_id: str, stats: dict) -> None:
+        runs.append({"mode": mode, "rtt_ms": rtt, "prompt": prompt_id, **stats})
+        print(f"  {mode:>8} rtt={rtt} {prompt_id}: {stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tok/s",
+              flush=True)
+
+    print("== draft alone (ONNX int8, one core, one thread)", flush=True)
+    for pr, r in zip(prompts, run_script("draft_alone.py", ["--draft", str(pair.draft_dir), "--max-new-tokens", n,
+                                                            *texts], EDGE_CORE)):
+        record("draft", None, pr["id"], r)
+    if not args.no_hf:
+        print("== Hugging Face assisted generation (both models fp32, one process, one core)", flush=True)
+        for pr, r in zip(prompts, run_script("hf_assisted.py", ["--target", str(pair.target_dir), "--draft",
+                                                                 str(ggufs["draft"]), "--max-new-tokens", n, *texts],
+                                             SERVER_CORE)):
+            record("hf-assisted", None, pr["id"], r)
+
+    modes = [("none", "none", []), *[(f"sync-{k}", "sync", ["--k", str(k)]) for k in args.sync_k],
+             ("async", "async", ["--window", str(args.window), "--timeline"])]
+    log = Path(args.out) / f"{args.name}-server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with running_server(str(pair.target_dir), [SERVER_CORE], extra=args.server_args.split(), log_path=log) as addr:
+        for rtt in args.rtt_ms:
+            proxy = ProxyThread(addr, rtt / 2000, args.rate_mbit * 1e6)
+            print(f"== RTT {rtt:g} ms through the proxy", flush=True)
+            try:
+                for pr in prompts:
+                    for name, edge_mode, extra in modes:
+                        stats = run_edge(proxy.address, str(pair.draft_dir), pr["text"], edge_mode, [EDGE_CORE],
+                                         ["--max-new-tokens", n, *extra])
+                        record(name, rtt, pr["id"], stats)
+            finally:
+                proxy.close()
+
+    result = {
+        "name": args.name,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "wall_s": time.time() - started,
+        "machine": machine(),
+        "pinning": f"server on core {SERVER_CORE}; edge, proxy and driver on core {EDGE_CORE}; one thread each",
+        "models": {"target": str(pair.target_dir.name), "target_dtype": resolve_dtype("auto", "cpu"),
+                   "draft": str(pair.draft_dir.name), "draft_quantization": "int8"},
+        "network": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit or None,
+                    "how": "user-space TCP proxy adding rtt/2 one-way delay in each direction"},
+        "settings": {"max_new_tokens": args.max_new_tokens, "window": args.window, "sync_k": args.sync_k,
+                     "temperature": 0, "server_args": args.server_args, "prompts": [pr["id"] for pr in prompts]},
+        "summary": summarize(runs),
+        "runs": runs,
+    }
+    out = Path(args.out) / f"{args.name}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render_markdown(result))
+    print(out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The benchmark's network emulator delays, preserves bytes, and can stall."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from netem_proxy import LinkConfig, NetemProxy
+
+
+async def echo_server() -> tuple[asyncio.base_events.Server, int]:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+def test_round_trip_is_delayed_and_intact() -> None:
+    async def main() -> None:
+        server, port = await echo_server()
+        proxy = NetemProxy("127.0.0.1", port, LinkConfig(delay_s=0.05))
+        r, w = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        payload = bytes(range(256)) * 400
+        t0 = time.monotonic()
+        w.write(payload)
+        got = await r.readexactly(len(payload))
+        assert got == payload
+        assert time.monotonic() - t0 >= 0.1  # one delay each way
+        assert proxy.bytes_up == proxy.bytes_down == len(payload)
+        # Paused, nothing gets through; resumed, everything does.
+        proxy.pause()
+        w.write(b"ping")
+        try:
+            await asyncio.wait_for(r.readexactly(4), 0.3)
+            raise AssertionError("data crossed a paused link")
+        except asyncio.TimeoutError:
+            pass
+        proxy.resume()
+        assert await asyncio.wait_for(r.readexactly(4), 5) == b"ping"
+        w.close()
+        await proxy.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_bandwidth_cap_spaces_out_bytes() -> None:
+    async def main() -> None:
+        server, port = await echo_server()
+        proxy = NetemProxy("127.0.0.1", port, LinkConfig(rate_bps=8e6))  # 1 MB/s each way
+        r, w = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        t0 = time.monotonic()
+        w.write(b"x" * 200_000)
+        await r.readexactly(200_000)
+        assert time.monotonic() - t0 >= 0.2  # 200 kB at 1 MB/s, at least once
+        w.close()
+        await proxy.close()
+        server.close()
+
+    asyncio.run(main())
