@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=0, help="use the first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
-    p.add_argument("--window", type=int, default=16, help="async lookahead window")
+    p.add_argument("--window", type=int, default=32, help="async lookahead window")
     p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     p.add_argument("--server-args", default="", help="extra arguments for specsplit-server serve")

@@ -39,7 +39,7 @@ GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
 @dataclass(frozen=True)
 class EdgeConfig:
     mode: str = "async"
-    window: int = 16  # async: how far ahead of the committed point to draft
+    window: int = 32  # async: how far ahead of the committed point to draft
     k: int = 4  # sync: drafts per round
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()

@@ -25,7 +25,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, args.device)
     logging.getLogger(__name__).info("loading target %s (%s on %s)", args.target, dtype, args.device)
-    engine = TargetEngine(load_model(args.target, dtype=dtype, device=args.device))
+    loaded = load_model(args.target, dtype=dtype, device=args.device)
+    if args.cpu_linear == "onednn" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
+        from specsplit.server.cpu_linear import use_onednn_linears
+
+        logging.getLogger(__name__).info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
+    engine = TargetEngine(loaded)
     sched = SchedulerConfig(
         max_verify_tokens=args.max_verify_tokens, idle_policy=args.idle_policy, idle_wait_s=args.idle_wait_ms / 1000
     )
@@ -111,13 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     s.add_argument(
+        "--cpu-linear",
+        choices=["auto", "onednn", "default"],
+        default="auto",
+        help="auto (default): oneDNN linears for multi-token passes when serving fp32 on CPU",
+    )
+    s.add_argument(
         "--idle-policy",
         choices=["ar", "wait"],
         default="ar",
         help="a session with no drafts: take an autoregressive step at once (ar) or wait --idle-wait-ms first",
     )
     s.add_argument("--idle-wait-ms", type=float, default=20.0)
-    s.add_argument("--max-verify-tokens", type=int, default=16, help="drafts one verification may take")
+    s.add_argument("--max-verify-tokens", type=int, default=24, help="drafts one verification may take")
     s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")
     s.add_argument("--max-context", type=int, default=None, help="context limit (default: the target's)")

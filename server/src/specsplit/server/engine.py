@@ -74,7 +74,9 @@ class TargetEngine:
         feed = torch.tensor([seq[keep:]], dtype=torch.long, device=self.device)
         positions = torch.arange(keep, len(seq), device=self.device).unsqueeze(0)
         cache = state.cache if state.cache is not None else DynamicCache()
-        out = self.model(feed, None, positions, cache, use_cache=True)
+        # Only the last len(drafts) + 1 positions need logits: skip the vocabulary
+        # projection for the rest (most of a prompt's prefill cost on CPU).
+        out = self.model(feed, None, positions, cache, use_cache=True, logits_to_keep=len(drafts) + 1)
         state.cache = output_cache(out)
         state.tokens = seq
         rows = out.logits[0, -(len(drafts) + 1) :]

@@ -27,7 +27,7 @@ IDLE_POLICIES = ("ar", "wait")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_verify_tokens: int = 16  # drafts one verification may take from a session
+    max_verify_tokens: int = 24  # drafts one verification may take from a session
     idle_policy: str = "ar"  # with no candidates: "ar" steps at once, "wait" waits idle_wait_s first
     idle_wait_s: float = 0.02
     outbox_size: int = 64
