@@ -32,7 +32,10 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
     engine = TargetEngine(loaded)
     sched = SchedulerConfig(
-        max_verify_tokens=args.max_verify_tokens, idle_policy=args.idle_policy, idle_wait_s=args.idle_wait_ms / 1000
+        max_verify_tokens=args.max_verify_tokens,
+        adaptive=not args.fixed_verify,
+        idle_policy=args.idle_policy,
+        idle_wait_s=args.idle_wait_ms / 1000,
     )
     cfg = ServeConfig(
         host=args.host,
@@ -128,7 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a session with no drafts: take an autoregressive step at once (ar) or wait --idle-wait-ms first",
     )
     s.add_argument("--idle-wait-ms", type=float, default=20.0)
-    s.add_argument("--max-verify-tokens", type=int, default=24, help="drafts one verification may take")
+    s.add_argument("--max-verify-tokens", type=int, default=24, help="most drafts one verification may take")
+    s.add_argument(
+        "--fixed-verify",
+        action="store_true",
+        help="always verify every candidate up to --max-verify-tokens (default: choose the number that maximizes "
+        "expected tokens per second from the session's acceptance and measured pass times)",
+    )
     s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")
     s.add_argument("--max-context", type=int, default=None, help="context limit (default: the target's)")

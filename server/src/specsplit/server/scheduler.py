@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from specsplit.protocol.messages import Done, DraftMode, Verdict
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import KVState, TargetEngine
+from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ IDLE_POLICIES = ("ar", "wait")
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_verify_tokens: int = 24  # drafts one verification may take from a session
+    adaptive: bool = True  # pick how many drafts to verify from acceptance and measured pass times
     idle_policy: str = "ar"  # with no candidates: "ar" steps at once, "wait" waits idle_wait_s first
     idle_wait_s: float = 0.02
     outbox_size: int = 64
@@ -56,6 +58,7 @@ class VerificationWorker:
         # One thread: the model is used by one verification at a time.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self.busy_s = 0.0
+        self.costs = PassCostModel()
 
     def add(self, handle: SessionHandle) -> None:
         self.sessions[handle.session.session_id] = handle
@@ -113,7 +116,7 @@ class VerificationWorker:
                     pass
                 continue
             s = handle.session
-            task = s.next_task(self.config.max_verify_tokens)
+            task = s.next_task(self._draft_budget(s))
             assert task is not None
             prefix = s.tokens[: task.start]  # a copy: drafts may arrive while the model runs
             t0 = time.monotonic()
@@ -127,9 +130,17 @@ class VerificationWorker:
                 self.remove(s.session_id)
                 continue
             elapsed = time.monotonic() - t0
+            self.costs.observe(len(task.drafts), elapsed)
             self.busy_s += elapsed
             handle.busy_s += elapsed
             self._deliver(handle, task, logits, elapsed)
+
+    def _draft_budget(self, s: ServerSession) -> int:
+        limit = self.config.max_verify_tokens
+        if not self.config.adaptive or s.request.draft_mode is DraftMode.SYNC:
+            return limit  # the synchronous scheme verifies the k drafts it was sent
+        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
+        return choose_drafts(len(s.candidates), limit, alpha, self.costs)
 
     def _deliver(self, handle: SessionHandle, task: VerifyTask, logits, elapsed: float) -> None:  # type: ignore[no-untyped-def]
         s = handle.session

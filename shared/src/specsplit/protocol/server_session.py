@@ -64,6 +64,7 @@ class ServerSession:
         self.drafts_received = 0
         self.drafts_dropped = 0
         self.drafts_accepted = 0
+        self.rejections = 0  # verifications that stopped at a rejected draft
         if request.committed_ids:
             # A resumed generation may already have ended before the reconnect.
             _, reason = self._termination([request.committed_ids[-1]], already_committed=True)
@@ -255,6 +256,8 @@ class ServerSession:
         self.committed_len += len(new)
         self.verifications += 1
         self.drafts_accepted += accepted
+        if accepted < min(len(task.drafts), cut):
+            self.rejections += 1
         events: list[Verdict | Done] = [
             Verdict(
                 start=task.start,

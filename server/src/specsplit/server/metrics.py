@@ -1,0 +1,34 @@
+"""Prometheus metrics of the server (prometheus-client), served on their own port."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry or CollectorRegistry()
+        self.registry = r
+        self.sessions_active = Gauge("specsplit_sessions_active", "Sessions currently open", registry=r)
+        self.sessions_total = Counter("specsplit_sessions", "Sessions opened", registry=r)
+        self.sessions_ended = Counter("specsplit_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
+        self.tokens_committed = Counter("specsplit_tokens_committed", "Tokens committed", registry=r)
+        self.drafts_proposed = Counter("specsplit_drafts_proposed", "Drafts verified", registry=r)
+        self.drafts_accepted = Counter("specsplit_drafts_accepted", "Drafts accepted", registry=r)
+        self.verify_seconds = Histogram(
+            "specsplit_verification_seconds", "Target pass time per verification", registry=r,
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+        )
+        self.verify_drafts = Histogram(
+            "specsplit_verification_drafts", "Drafts per verification", registry=r,
+            buckets=(0, 1, 2, 4, 8, 16, 24, 32, 48, 64),
+        )
+        self.batch_sessions = Histogram(
+            "specsplit_verification_batch_sessions", "Sessions per target pass", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+        )
+        self.outbox_depth = Gauge("specsplit_outbox_depth", "Messages queued to edges, all sessions", registry=r)
+        self.kv_bytes = Gauge("specsplit_kv_cache_bytes", "KV cache memory held by sessions", registry=r)
+        self.errors = Counter("specsplit_errors", "Streams ended with an error, by gRPC status", ["code"], registry=r)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,71 @@
+"""How many of a session's candidates one verification should take.
+
+Verifying n drafts yields the accepted prefix plus one token: under a per-draft
+acceptance probability a, (1 - a^(n+1)) / (1 - a) tokens on average. It costs one
+target pass whose time grows with n, and on CPU not in proportion: a pass over 2
+tokens costs about twice one over 1, a pass over 17 about three times. So the best n
+depends on the session's acceptance and on the hardware; both are learned online and
+the n with the most expected tokens per second is taken.
+"""
+from __future__ import annotations
+
+import bisect
+
+PRIOR_ACCEPTED, PRIOR_REJECTED = 4.0, 1.0  # a prior acceptance of 0.8, worth five observations
+
+
+def expected_tokens(n: int, alpha: float) -> float:
+    """Mean tokens committed by verifying n drafts: the accepted prefix plus one."""
+    if alpha >= 1.0:
+        return n + 1.0
+    return (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
+
+
+def acceptance_estimate(accepted: int, rejections: int) -> float:
+    """Per-draft acceptance under a geometric model: each verification shows its accepted
+    drafts as successes and, if it stopped early, one failure."""
+    return (accepted + PRIOR_ACCEPTED) / (accepted + rejections + PRIOR_ACCEPTED + PRIOR_REJECTED)
+
+
+class PassCostModel:
+    """Exponentially weighted pass time per number of drafts, interpolated between sizes seen."""
+
+    def __init__(self, weight: float = 0.3) -> None:
+        self.weight = weight
+        self._sizes: list[int] = []
+        self._cost: dict[int, float] = {}
+
+    def observe(self, n: int, seconds: float) -> None:
+        if n in self._cost:
+            self._cost[n] += self.weight * (seconds - self._cost[n])
+        else:
+            bisect.insort(self._sizes, n)
+            self._cost[n] = seconds
+
+    def known(self) -> int:
+        return len(self._sizes)
+
+    def cost(self, n: int) -> float:
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, n)
+        if i < len(sizes) and sizes[i] == n:
+            return self._cost[n]
+        if i == len(sizes):
+            # Past the largest size timed, assume no extra cost: optimism makes the policy
+            # try larger passes, and one try replaces the guess with a measurement.
+            return self._cost[sizes[-1]]
+        # Interpolate between neighbours (below the smallest, extend the first segment).
+        lo, hi = (i - 1, i) if i > 0 else (0, 1)
+        a, b = sizes[lo], sizes[hi]
+        ca, cb = self._cost[a], self._cost[b]
+        return max(1e-6, ca + (cb - ca) * (n - a) / (b - a))
+
+
+def choose_drafts(available: int, limit: int, alpha: float, costs: PassCostModel) -> int:
+    """The number of drafts (0..min(available, limit)) with the most expected tokens per second.
+
+    Until two pass sizes have been timed there is no cost curve: take all that is offered."""
+    top = min(available, limit)
+    if costs.known() < 2 or top == 0:
+        return top
+    return max(range(top + 1), key=lambda n: expected_tokens(n, alpha) / costs.cost(n))

@@ -1,0 +1,55 @@
+"""The verification-size policy."""
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, expected_tokens
+
+
+def cpu_like_costs() -> PassCostModel:
+    m = PassCostModel()
+    for n, c in {0: 0.5, 1: 1.0, 4: 1.1, 8: 1.2, 16: 1.5, 24: 1.9}.items():
+        m.observe(n, c)
+    return m
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0, 0.5) == 1.0
+    assert abs(expected_tokens(2, 0.5) - 1.75) < 1e-12
+    assert expected_tokens(5, 1.0) == 6.0
+
+
+def test_high_acceptance_takes_many_drafts_low_takes_few() -> None:
+    costs = cpu_like_costs()
+    assert choose_drafts(24, 24, 0.95, costs) >= 16
+    assert choose_drafts(24, 24, 0.3, costs) == 0  # an autoregressive step beats a costly pass
+    assert choose_drafts(3, 24, 0.95, costs) <= 3
+
+
+def test_without_a_cost_curve_everything_offered_is_taken() -> None:
+    assert choose_drafts(7, 24, 0.1, PassCostModel()) == 7
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.floats(0.01, 10)), min_size=2, max_size=20),
+       st.integers(0, 40), st.integers(0, 40), st.floats(0, 1))
+def test_choice_is_within_bounds(obs, available, limit, alpha) -> None:
+    m = PassCostModel()
+    for n, c in obs:
+        m.observe(n, c)
+    n = choose_drafts(available, limit, alpha, m)
+    assert 0 <= n <= min(available, limit)
+
+
+def test_acceptance_estimate_moves_from_the_prior() -> None:
+    assert abs(acceptance_estimate(0, 0) - 0.8) < 1e-12
+    assert acceptance_estimate(100, 2) > 0.95
+    assert acceptance_estimate(2, 50) < 0.2
+
+
+def test_the_policy_explores_larger_passes_than_it_has_timed() -> None:
+    """Timing only small passes must not lock the policy into autoregressive steps."""
+    m = PassCostModel()
+    m.observe(0, 0.5)
+    m.observe(1, 1.0)
+    assert choose_drafts(16, 24, 0.8, m) == 16
