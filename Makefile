@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
 DEMO_TOKENS ?= 128
 
-.PHONY: venv test demo models bench bench-quick proto clean
+.PHONY: venv test demo models bench bench-quick soak proto clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,10 @@ bench: $(STAMP)
 # A subset under 10 minutes: RTT 50 ms, 3 prompts, 96 new tokens, sync k=4 and 8.
 bench-quick: $(STAMP)
 	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 4 8 --no-hf
+
+# 64 concurrent sessions for 5 minutes with tiny models: zero errors, flat server memory.
+soak: $(STAMP)
+	$(PY) bench/soak.py --sessions 64 --minutes 5
 
 clean:
 	rm -rf $(VENV)

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--server-core", type=int, default=1)
     p.add_argument("--edge-core", type=int, default=0)
-    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--window", type=int, default=16)
     p.add_argument("--log", default="demo-server.log", help="server log file")
     args = p.parse_args(argv)
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                if pinned else "not pinned (fewer than 2 cores available), one thread each")
     print(f"== starting the server ({pinning})", flush=True)
     extra = ["--max-new-tokens", str(args.max_new_tokens)]
-    with running_server(str(pair.target_dir), server_cores, log_path=Path(args.log)) as address:
+    with running_server(str(pair.target_dir), server_cores, log_path=Path(args.log)) as (address, _):
         print(f"== edge (async drafting) on {address}\n", flush=True)
         split = run_edge(address, str(pair.draft_dir), args.prompt, "async", edge_cores,
                          [*extra, "--window", str(args.window)], stream=True)

@@ -58,24 +58,28 @@ def wait_healthy(address: str, proc: subprocess.Popen, timeout: float) -> None:
 
 @contextmanager
 def running_server(target: str, cores: Sequence[int] | None, extra: Sequence[str] = (), log_path: Path | None = None,
-                   dtype: str = "auto", threads: int = 1, ready_timeout: float = 600.0):
-    """Yield host:port of a server process; it is stopped (SIGTERM, then SIGKILL) in every case."""
+                   dtype: str = "auto", threads: int = 1, ready_timeout: float = 600.0, wait: bool = True):
+    """Yield (host:port, process) of a server; it is stopped (SIGTERM, then SIGKILL) in every case.
+
+    With wait=False the caller waits for readiness itself (a TLS server, say)."""
     port = free_port()
-    cmd = [str(BIN / "specsplit-server"), "serve", "--target", target, "--port", str(port), "--dtype", dtype,
-           "--threads", str(threads), *extra]
+    cmd = [sys.executable, "-m", "specsplit.server.cli", "serve", "--target", str(target), "--port", str(port),
+           "--dtype", dtype, "--threads", str(threads), *extra]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin(cores),
-                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
     try:
-        wait_healthy(f"127.0.0.1:{port}", proc, ready_timeout)
-        yield f"127.0.0.1:{port}"
+        if wait:
+            wait_healthy(f"127.0.0.1:{port}", proc, ready_timeout)
+        yield f"127.0.0.1:{port}", proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         if log is not subprocess.DEVNULL:
             log.close()
 

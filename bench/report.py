@@ -33,7 +33,9 @@ def summarize(runs: list[dict]) -> list[dict]:
         tokens = sum(r["tokens"] for r in g)
         base = none_tps.get(rtt) or next(iter(none_tps.values()), {})
         ratios = [r["tokens_per_s"] / base[r["prompt"]] for r in g if base.get(r["prompt"])]
-        identical = [r["token_ids"] == ref.get((rtt, r["prompt"])) for r in g if (rtt, r["prompt"]) in ref]
+        # The draft alone decodes with another model: its text is not expected to match.
+        identical = [] if mode == "draft" else [
+            r["token_ids"] == ref.get((rtt, r["prompt"])) for r in g if (rtt, r["prompt"]) in ref]
         out.append({
             "mode": mode,
             "rtt_ms": rtt,

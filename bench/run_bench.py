@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=0, help="use the first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
-    p.add_argument("--window", type=int, default=32, help="async lookahead window")
+    p.add_argument("--window", type=int, default=16, help="async lookahead window")
     p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     p.add_argument("--server-args", default="", help="extra arguments for specsplit-server serve")
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
 
     def record(mode: str, rtt, prompt_id: str, stats: dict) -> None:
-        runs.append({"mode": mode, "rtt_ms": rtt, "prompt": prompt_id, **stats})
+        runs.append({**stats, "mode": mode, "rtt_ms": rtt, "prompt": prompt_id})
         print(f"  {mode:>8} rtt={rtt} {prompt_id}: {stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tok/s",
               flush=True)
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
              ("async", "async", ["--window", str(args.window), "--timeline"])]
     log = Path(args.out) / f"{args.name}-server.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    with running_server(str(pair.target_dir), [SERVER_CORE], extra=args.server_args.split(), log_path=log) as addr:
+    with running_server(str(pair.target_dir), [SERVER_CORE], extra=args.server_args.split(), log_path=log) as (addr, _):
         for rtt in args.rtt_ms:
             proxy = ProxyThread(addr, rtt / 2000, args.rate_mbit * 1e6)
             print(f"== RTT {rtt:g} ms through the proxy", flush=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, expected_tokens
+from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, expected_tokens, plan
 
 
 def cpu_like_costs() -> PassCostModel:
@@ -53,3 +53,13 @@ def test_the_policy_explores_larger_passes_than_it_has_timed() -> None:
     m.observe(0, 0.5)
     m.observe(1, 1.0)
     assert choose_drafts(16, 24, 0.8, m) == 16
+
+
+def test_plan_waits_for_drafts_on_their_way_only_when_it_pays() -> None:
+    costs = cpu_like_costs()
+    n, wait = plan(1, 24, 0.95, costs, draft_rate=20.0, max_wait_s=0.5)
+    assert wait > 0 and n > 1  # one candidate now, ten more within half a second: wait
+    n, wait = plan(1, 24, 0.95, costs, draft_rate=0.0, max_wait_s=0.5)
+    assert wait == 0  # nothing is coming: act now
+    n, wait = plan(20, 24, 0.95, costs, draft_rate=20.0, max_wait_s=0.5)
+    assert wait == 0 and n >= 16  # plenty in hand

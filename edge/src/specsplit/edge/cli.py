@@ -9,7 +9,9 @@ from pathlib import Path
 
 import grpc
 
-from specsplit.edge.client import MODES, EdgeConfig, generate
+import os
+
+from specsplit.edge.client import MODES, ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.messages import SamplingParams, VerificationMode
@@ -54,13 +56,14 @@ async def _generate(args: argparse.Namespace) -> int:
     )
     stream = None if args.json else TextStream(tokenizer)
     result = await generate(
-        args.server,
+        [s.strip() for s in args.server.split(",") if s.strip()],
         prompt_ids,
         cfg,
         drafter=drafter,
         fingerprint=tokenizer.fingerprint,
         draft_model=str(directory),
         on_commit=stream,
+        connect=connect_options(args),
     )
     final = tokenizer.decode(result.tokens)
     if args.stats_json:
@@ -78,12 +81,30 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def connect_options(args: argparse.Namespace) -> ConnectOptions:
+    credentials = None
+    if args.tls_ca or args.tls_cert:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
+        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    return ConnectOptions(
+        credentials=credentials,
+        token=os.environ.get("SPECSPLIT_TOKEN") or None,
+        stall_timeout_s=args.stall_timeout,
+        retries=args.retries,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="specsplit-edge", description=__doc__,
+        epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN.")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate a completion of PROMPT")
     g.add_argument("prompt", metavar="PROMPT")
-    g.add_argument("--server", required=True, help="HOST:PORT of the specsplit server")
+    g.add_argument("--server", required=True,
+                   help="HOST:PORT of the specsplit server; a comma-separated list fails over in order")
     g.add_argument("--draft", required=True, help="draft export directory (specsplit-server export-draft)")
     g.add_argument("--mode", choices=sorted(MODES), default="async", help="async (default), sync or none")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -94,11 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
                    help="sampled verification: match (default with temperature > 0) or sparse-q")
     g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")
-    g.add_argument("--window", type=int, default=32, help="async: drafts allowed ahead of the committed point")
+    g.add_argument("--window", type=int, default=16, help="async: drafts allowed ahead of the committed point")
     g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
     g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    g.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server with: connect over TLS")
+    g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
+    g.add_argument("--retries", type=int, default=5, help="re-opens after a lost server or stream (resumes)")
+    g.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds without a message from the server before the stream counts as lost")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
     g.add_argument("--stats-json", metavar="FILE", help="also write stats, text, token ids and commit times to FILE")
     g.add_argument("--timeline", action="store_true", help="record a drafting/sending/verdict timeline in --stats-json")

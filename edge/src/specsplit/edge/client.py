@@ -34,12 +34,27 @@ from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 MODES = {"async": DraftMode.ASYNC, "sync": DraftMode.SYNC, "none": DraftMode.NONE}
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
+# Statuses after which the same generation is re-opened (here or on the next server).
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class StreamStalled(Exception):
+    """Nothing came from the server for longer than the stall timeout."""
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    credentials: grpc.ChannelCredentials | None = None  # TLS (and mutual TLS) when set
+    token: str | None = None  # bearer token sent as `authorization` metadata
+    stall_timeout_s: float | None = 60.0  # no message for this long: the stream is treated as dead
+    retries: int = 5  # re-opens after a lost server or stream, cycling through the addresses given
+    backoff_s: float = 0.5  # doubled after each failed attempt, up to 8 s
 
 
 @dataclass(frozen=True)
 class EdgeConfig:
     mode: str = "async"
-    window: int = 32  # async: how far ahead of the committed point to draft
+    window: int = 16  # async: how far ahead of the committed point to draft
     k: int = 4  # sync: drafts per round
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
@@ -104,13 +119,19 @@ class _Generation:
         self._changed = asyncio.Event()
         self._verdicts = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
+        self.stall_timeout_s: float | None = None
+        self.metadata: tuple[tuple[str, str], ...] = ()
 
     async def _write(self, call, msg) -> None:  # type: ignore[no-untyped-def]
         self.stats.bytes_up += msg.ByteSize() + GRPC_FRAME_BYTES
         await call.write(msg)
 
     async def _read_one(self, call):  # type: ignore[no-untyped-def]
-        msg = await call.read()
+        try:
+            msg = await asyncio.wait_for(call.read(), self.stall_timeout_s)
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise StreamStalled(f"no message from the server for {self.stall_timeout_s} s") from None
         if msg is grpc.aio.EOF:
             raise ConnectionError("the server ended the stream before Done")
         self.stats.bytes_down += msg.ByteSize() + GRPC_FRAME_BYTES
@@ -125,7 +146,7 @@ class _Generation:
 
     async def run(self, stub: pb_grpc.SpecSplitStub) -> GenerationResult:
         t0 = self._t0 = time.perf_counter()
-        call = stub.Generate()
+        call = stub.Generate(metadata=self.metadata or None)
         await self._write(call, codec.open_to_pb(self.request))
         opened = await self._read_one(call)
         if not isinstance(opened, Opened):
@@ -134,11 +155,18 @@ class _Generation:
         self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
         drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop(call))
         try:
-            await self._read_loop(call, t0)
-        finally:
+            try:
+                await self._read_loop(call, t0)
+            except BaseException:
+                if drafting is not None:
+                    drafting.cancel()
+                    await asyncio.gather(drafting, return_exceptions=True)
+                raise
             if drafting is not None:
-                drafting.cancel()
-                await asyncio.gather(drafting, return_exceptions=True)
+                # Done arrived: the drafting loop sees it and stops after any write in progress,
+                # so the stream is half-closed cleanly rather than cut under a write.
+                await drafting
+        finally:
             self._pool.shutdown(wait=False)
         await call.done_writing()
         self.stats.finish(self.edge, time.perf_counter() - t0, self.commit_times)
@@ -155,7 +183,7 @@ class _Generation:
                 self._verdicts += 1
                 self.stats.add_verdict(event, now)
                 self.commit_times.extend([now] * len(event.tokens))
-                self._mark("verdict", now, event.start, len(event.tokens), event.accepted, event.verify_ms)
+                self._mark("verdict", now, event.start, len(event.tokens), event.accepted, event.verify_ms, event.proposed)
                 if self.on_commit is not None:
                     self.on_commit(edge.generated)
             elif isinstance(event, Done):
@@ -203,8 +231,15 @@ class _Generation:
                 await self._write(call, codec.draft_to_pb(chunk))
 
 
+def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:
+    options = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
+    if connect.credentials is not None:
+        return grpc.aio.secure_channel(address, connect.credentials, options=options)
+    return grpc.aio.insecure_channel(address, options=options)
+
+
 async def generate(
-    server: str,
+    servers: str | Sequence[str],
     prompt_ids: Sequence[int],
     cfg: EdgeConfig,
     drafter: OnnxDrafter | None = None,
@@ -213,10 +248,32 @@ async def generate(
     committed_ids: Sequence[int] = (),
     on_commit: Callable[[list[int]], None] | None = None,
     channel: grpc.aio.Channel | None = None,
+    connect: ConnectOptions = ConnectOptions(),
 ) -> GenerationResult:
-    """Generate one completion of `prompt_ids` through the server at `server` (host:port)."""
-    gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed_ids, on_commit)
-    if channel is not None:
-        return await gen.run(pb_grpc.SpecSplitStub(channel))
-    async with grpc.aio.insecure_channel(server) as ch:
-        return await gen.run(pb_grpc.SpecSplitStub(ch))
+    """Generate one completion of `prompt_ids` through a server (host:port, or a list to
+    fail over along). A lost server or stream costs only time: the generation is re-opened
+    with everything committed so far, so the final text is the same."""
+    addresses = [servers] if isinstance(servers, str) else list(servers)
+    committed = list(committed_ids)
+    backoff = connect.backoff_s
+    for attempt in range(connect.retries + 1):
+        gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit)
+        gen.stall_timeout_s = connect.stall_timeout_s
+        gen.metadata = (("authorization", f"Bearer {connect.token}"),) if connect.token else ()
+        try:
+            if channel is not None:
+                result = await gen.run(pb_grpc.SpecSplitStub(channel))
+            else:
+                async with open_channel(addresses[attempt % len(addresses)], connect) as ch:
+                    result = await gen.run(pb_grpc.SpecSplitStub(ch))
+            result.stats.reconnects = attempt
+            return result
+        except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
+            retryable = not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in RETRYABLE
+            if not retryable or attempt == connect.retries:
+                raise
+            if gen.edge is not None:
+                committed = gen.edge.generated  # includes what earlier attempts committed
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 8.0)
+    raise AssertionError("the retry loop returns or raises")

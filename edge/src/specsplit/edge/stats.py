@@ -30,6 +30,7 @@ class GenerationStats:
     itl_p99_ms: float = 0.0
     target_busy_s: float = 0.0  # the server's time on this session's verifications
     server_idle_fraction: float = 0.0  # of the generation's wall time, the target did not work for it
+    reconnects: int = 0  # streams re-opened after a lost server or network
 
     def add_verdict(self, v: Verdict, elapsed_s: float) -> None:
         if self.ttft_s is None and v.tokens:

@@ -36,14 +36,27 @@ def _serve(args: argparse.Namespace) -> int:
         adaptive=not args.fixed_verify,
         idle_policy=args.idle_policy,
         idle_wait_s=args.idle_wait_ms / 1000,
+        max_wait_s=args.max_wait_ms / 1000,
     )
+    from specsplit.server.auth import TLSConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        print("error: --tls-cert and --tls-key go together (and --tls-client-ca needs both)", file=sys.stderr)
+        return 2
+    tls = TLSConfig(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_client_ca) if args.tls_client_ca else None) \
+        if args.tls_cert else None
     cfg = ServeConfig(
         host=args.host,
         port=args.port,
         max_sessions=args.max_sessions,
         max_lookahead=args.max_lookahead,
         max_context=args.max_context,
+        max_new_tokens=args.max_new_tokens_limit,
+        max_message_bytes=args.max_message_bytes,
         grace_s=args.grace,
+        metrics_port=args.metrics_port,
+        tls=tls,
+        tokens_file=Path(args.tokens_file) if args.tokens_file else None,
     )
     asyncio.run(serve(engine, sched, cfg))
     return 0
@@ -126,11 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--idle-policy",
-        choices=["ar", "wait"],
-        default="ar",
-        help="a session with no drafts: take an autoregressive step at once (ar) or wait --idle-wait-ms first",
+        choices=["adaptive", "ar", "wait"],
+        default="adaptive",
+        help="an async session short of drafts: adaptive (default) waits for drafts on their way when that "
+        "yields more tokens per second (up to --max-wait-ms); ar verifies what it has, or takes an "
+        "autoregressive step, at once; wait waits --idle-wait-ms when it has none",
     )
     s.add_argument("--idle-wait-ms", type=float, default=20.0)
+    s.add_argument("--max-wait-ms", type=float, default=500.0, help="adaptive: longest wait for drafts")
     s.add_argument("--max-verify-tokens", type=int, default=24, help="most drafts one verification may take")
     s.add_argument(
         "--fixed-verify",
@@ -141,7 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")
     s.add_argument("--max-context", type=int, default=None, help="context limit (default: the target's)")
+    s.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens a session may ask")
+    s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="larger messages get RESOURCE_EXHAUSTED")
     s.add_argument("--grace", type=float, default=10.0, help="seconds open sessions get to finish on SIGTERM")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
+    s.add_argument("--tls-key", help="server private key (PEM)")
+    s.add_argument("--tls-client-ca", help="CA (PEM) that signed client certificates: require mutual TLS")
+    s.add_argument("--tokens-file", help="per-device bearer tokens, one 'DEVICE_ID TOKEN' per line")
     s.set_defaults(func=_serve)
 
     e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge")

@@ -69,3 +69,30 @@ def choose_drafts(available: int, limit: int, alpha: float, costs: PassCostModel
     if costs.known() < 2 or top == 0:
         return top
     return max(range(top + 1), key=lambda n: expected_tokens(n, alpha) / costs.cost(n))
+
+
+def plan(
+    available: int,
+    limit: int,
+    alpha: float,
+    costs: PassCostModel,
+    draft_rate: float,
+    max_wait_s: float,
+    step_s: float = 0.05,
+) -> tuple[int, float]:
+    """(drafts to verify, seconds to wait first) with the most expected tokens per second.
+
+    Waiting is an option because an asynchronous edge keeps drafting: after a rejection
+    the server holds few candidates, and a pass over them (or an autoregressive step)
+    can yield less per second than waiting a moment for the drafts on their way."""
+    top = min(available, limit)
+    if costs.known() < 2:
+        return top, 0.0
+    best_rate, best = -1.0, (top, 0.0)
+    for k in range(int(max_wait_s / step_s) + 1):
+        wait = k * step_s
+        n = choose_drafts(min(limit, available + int(draft_rate * wait)), limit, alpha, costs)
+        rate = expected_tokens(n, alpha) / (wait + costs.cost(n))
+        if rate > best_rate * 1.0001:
+            best_rate, best = rate, (n, wait)
+    return best

@@ -19,19 +19,24 @@ from dataclasses import dataclass, field
 from specsplit.protocol.messages import Done, DraftMode, Verdict
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import KVState, TargetEngine
-from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts
+from specsplit.server.metrics import ServerMetrics
+from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, plan
 
 log = logging.getLogger(__name__)
 
-IDLE_POLICIES = ("ar", "wait")
+IDLE_POLICIES = ("adaptive", "ar", "wait")
+DEFAULT_DRAFT_RATE = 10.0  # drafts per second an edge is assumed to send before it is measured
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_verify_tokens: int = 24  # drafts one verification may take from a session
     adaptive: bool = True  # pick how many drafts to verify from acceptance and measured pass times
-    idle_policy: str = "ar"  # with no candidates: "ar" steps at once, "wait" waits idle_wait_s first
+    # Async sessions short of candidates: "adaptive" waits for drafts on their way when that
+    # pays (up to max_wait_s), "ar" verifies or steps at once, "wait" waits idle_wait_s first.
+    idle_policy: str = "adaptive"
     idle_wait_s: float = 0.02
+    max_wait_s: float = 0.5
     outbox_size: int = 64
 
     def __post_init__(self) -> None:
@@ -46,12 +51,21 @@ class SessionHandle:
     kv: KVState = field(default_factory=KVState)
     idle_since: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # time the target spent on this session
+    budget: int = 0  # drafts the next verification takes, as planned
+    arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
+
+    def draft_rate(self, now: float) -> float:
+        """Drafts per second lately received from the edge."""
+        self.arrivals.append((now, self.session.drafts_received))
+        (t0, n0), (t1, n1) = self.arrivals[0], self.arrivals[-1]
+        return (n1 - n0) / (t1 - t0) if t1 - t0 > 0.2 else DEFAULT_DRAFT_RATE
 
 
 class VerificationWorker:
-    def __init__(self, engine: TargetEngine, config: SchedulerConfig) -> None:
+    def __init__(self, engine: TargetEngine, config: SchedulerConfig, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.config = config
+        self.metrics = metrics or ServerMetrics()
         self.sessions: dict[str, SessionHandle] = {}
         self._order: deque[str] = deque()
         self._wake = asyncio.Event()
@@ -66,25 +80,38 @@ class VerificationWorker:
         self.notify()
 
     def remove(self, session_id: str) -> None:
-        if self.sessions.pop(session_id, None) is not None:
+        """Forget a session and free its KV cache (it may be mid-pass: the pass's result is dropped)."""
+        handle = self.sessions.pop(session_id, None)
+        if handle is not None:
             self._order.remove(session_id)
+            handle.kv.crop(0)
+            self.metrics.kv_bytes.set(sum(h.kv.nbytes() for h in self.sessions.values()))
 
     def notify(self) -> None:
         self._wake.set()
 
     def _ready_at(self, h: SessionHandle, now: float) -> float | None:
-        """When the session may next be verified (now or later), or None if not at all."""
+        """When the session may next be verified (now or later), or None if not at all;
+        sets h.budget, the drafts that verification takes."""
         s = h.session
         if s.done is not None or h.outbox.qsize() > h.outbox.maxsize - 2:
             return None
-        if s.candidates:
-            return now
+        limit = self.config.max_verify_tokens
+        available = len(s.candidates)
         mode = s.request.draft_mode
+        h.budget = min(available, limit)
         if mode is DraftMode.NONE:
             return now
         if mode is DraftMode.SYNC:
-            return None  # the edge always sends its k drafts: wait for them
-        if self.config.idle_policy == "ar":
+            # The classic scheme: wait for the k drafts the edge sends, verify them all.
+            return now if available else None
+        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
+        if self.config.adaptive and self.config.idle_policy == "adaptive":
+            h.budget, wait = plan(available, limit, alpha, self.costs, h.draft_rate(now), self.config.max_wait_s)
+            return now + wait
+        if self.config.adaptive:
+            h.budget = choose_drafts(available, limit, alpha, self.costs)
+        if available or self.config.idle_policy == "ar":
             return now
         return h.idle_since + self.config.idle_wait_s
 
@@ -116,7 +143,7 @@ class VerificationWorker:
                     pass
                 continue
             s = handle.session
-            task = s.next_task(self._draft_budget(s))
+            task = s.next_task(handle.budget)
             assert task is not None
             prefix = s.tokens[: task.start]  # a copy: drafts may arrive while the model runs
             t0 = time.monotonic()
@@ -131,16 +158,12 @@ class VerificationWorker:
                 continue
             elapsed = time.monotonic() - t0
             self.costs.observe(len(task.drafts), elapsed)
+            self.metrics.verify_seconds.observe(elapsed)
+            self.metrics.verify_drafts.observe(len(task.drafts))
+            self.metrics.batch_sessions.observe(1)
             self.busy_s += elapsed
             handle.busy_s += elapsed
             self._deliver(handle, task, logits, elapsed)
-
-    def _draft_budget(self, s: ServerSession) -> int:
-        limit = self.config.max_verify_tokens
-        if not self.config.adaptive or s.request.draft_mode is DraftMode.SYNC:
-            return limit  # the synchronous scheme verifies the k drafts it was sent
-        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
-        return choose_drafts(len(s.candidates), limit, alpha, self.costs)
 
     def _deliver(self, handle: SessionHandle, task: VerifyTask, logits, elapsed: float) -> None:  # type: ignore[no-untyped-def]
         s = handle.session
@@ -155,8 +178,9 @@ class VerificationWorker:
         if not s.candidates:
             handle.idle_since = time.monotonic()
         if s.done is not None:
-            handle.kv.crop(0)
             self.remove(s.session_id)
+        self.metrics.outbox_depth.set(sum(h.outbox.qsize() for h in self.sessions.values()))
+        self.metrics.kv_bytes.set(sum(h.kv.nbytes() for h in self.sessions.values()))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -7,18 +7,21 @@ import signal
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.protocol import codec, errors
-from specsplit.protocol.messages import Done, OpenRequest, ServerLimits
+from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
+from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import TargetEngine
+from specsplit.server.metrics import ServerMetrics
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.v1 import specsplit_pb2 as pb
-from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecSplit"].full_name
@@ -35,6 +38,13 @@ class ServeConfig:
     max_new_tokens: int = 4096
     max_message_bytes: int = 1 << 20
     grace_s: float = 10.0
+    metrics_port: int | None = None
+    tls: TLSConfig | None = None
+    tokens_file: Path | None = None
+    # Keepalive: a vanished edge is noticed within about keepalive_s + keepalive_timeout_s.
+    keepalive_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    linger_s: float = 5.0  # after Done, how long to wait for the edge to half-close
 
 
 def server_limits(engine: TargetEngine, cfg: ServeConfig) -> ServerLimits:
@@ -51,20 +61,31 @@ def server_limits(engine: TargetEngine, cfg: ServeConfig) -> ServerLimits:
     )
 
 
-class SpecSplitService(pb_grpc.SpecSplitServicer):
-    def __init__(self, worker: VerificationWorker, limits: ServerLimits, cfg: ServeConfig) -> None:
+class SpecSplitService:
+    def __init__(
+        self, worker: VerificationWorker, limits: ServerLimits, cfg: ServeConfig, metrics: ServerMetrics
+    ) -> None:
         self.worker = worker
         self.limits = limits
         self.cfg = cfg
+        self.metrics = metrics
+        self.draining = False
 
-    async def _read(
-        self, requests: AsyncIterator[pb.EdgeMessage], conn: ServerConnection, outbox: asyncio.Queue
-    ) -> None:
-        """Feed the edge's messages to the core; errors go to the outbox as exceptions."""
+    async def _read(self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue) -> None:
+        """Feed the edge's messages to the core; errors go to the outbox as exceptions.
+
+        Requests arrive as raw bytes so that a message that does not parse is answered
+        with INVALID_ARGUMENT instead of the framework's INTERNAL."""
         try:
-            async for msg in requests:
+            async for raw in requests:
+                try:
+                    msg = pb.EdgeMessage.FromString(raw)
+                except DecodeError:
+                    raise errors.MalformedMessage("message does not parse as a specsplit.v1.EdgeMessage") from None
                 event = codec.edge_from_pb(msg)
                 if isinstance(event, OpenRequest) and conn.session is None:
+                    if self.draining:
+                        raise errors.ServerBusy("server is shutting down; open the session on another server")
                     if len(self.worker.sessions) >= self.cfg.max_sessions:
                         raise errors.ServerBusy(
                             f"server holds its limit of {self.cfg.max_sessions} sessions; retry later"
@@ -72,51 +93,102 @@ class SpecSplitService(pb_grpc.SpecSplitServicer):
                 out = conn.receive(event)
                 for item in out:
                     await outbox.put(item)
-                if isinstance(event, OpenRequest) and conn.session.done is None:  # type: ignore[union-attr]
-                    self.worker.add(SessionHandle(conn.session, outbox))  # type: ignore[arg-type]
+                if isinstance(event, OpenRequest) and conn.session is not None and conn.session.done is None:
+                    self.worker.add(SessionHandle(conn.session, outbox))
+                    self.metrics.sessions_total.inc()
                 else:
                     self.worker.notify()
+            if conn.session is None:
+                raise errors.ClosedBeforeOpen("the stream was half-closed before an Open message")
         except errors.ProtocolError as exc:
             await outbox.put(exc)
 
-    async def Generate(self, request_iterator, context):  # type: ignore[no-untyped-def,override]
+    async def Generate(self, request_iterator, context):  # type: ignore[no-untyped-def]
         conn = ServerConnection(self.limits, uuid.uuid4().hex[:12])
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
         reader = asyncio.create_task(self._read(request_iterator, conn, outbox))
+        self.metrics.sessions_active.inc()
+        reason = "disconnected"
         try:
             while True:
                 item = await outbox.get()
                 if isinstance(item, errors.ProtocolError):
+                    reason = "error"
+                    self.metrics.errors.labels(item.status).inc()
                     log.info("session %s: %s: %s", conn.session_id, item.status, item.message)
                     await context.abort(grpc.StatusCode[item.status], item.message)
                 if isinstance(item, Exception):
+                    reason = "error"
+                    self.metrics.errors.labels("INTERNAL").inc()
                     await context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {item}")
+                if isinstance(item, Verdict):
+                    self.metrics.tokens_committed.inc(len(item.tokens))
+                    self.metrics.drafts_proposed.inc(item.proposed)
+                    self.metrics.drafts_accepted.inc(item.accepted)
                 yield codec.server_to_pb(item)
                 if isinstance(item, Done):
+                    reason = item.reason.name.lower()
+                    log.info("session %s: done (%s) at %d tokens", conn.session_id, reason, item.committed_length)
+                    # Let the edge half-close first: ending the call while its last drafts are
+                    # still being written would fail those writes and, with them, the call.
+                    try:
+                        await asyncio.wait_for(asyncio.shield(reader), self.cfg.linger_s)
+                    except asyncio.TimeoutError:
+                        pass
                     return
         finally:
             reader.cancel()
             self.worker.remove(conn.session_id)
             if conn.session is not None:
                 conn.session.cancel()
+            self.metrics.sessions_active.dec()
+            self.metrics.sessions_ended.labels(reason).inc()
 
 
-async def serve(engine: TargetEngine, sched: SchedulerConfig, cfg: ServeConfig, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM/SIGINT (or cancellation); then drain for up to the grace period."""
-    worker = VerificationWorker(engine, sched)
+def _generic_handler(service: SpecSplitService) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Generate": grpc.stream_stream_rpc_method_handler(
+                service.Generate,
+                request_deserializer=None,  # raw bytes: parsed in _read
+                response_serializer=pb.ServerMessage.SerializeToString,
+            )
+        },
+    )
+
+
+async def serve(
+    engine: TargetEngine, sched: SchedulerConfig, cfg: ServeConfig, ready: asyncio.Event | None = None
+) -> None:
+    """Run until SIGTERM/SIGINT (or cancellation). Then report NOT_SERVING, refuse new
+    sessions, and give open ones up to the grace period to finish."""
+    metrics = ServerMetrics()
+    worker = VerificationWorker(engine, sched, metrics)
     limits = server_limits(engine, cfg)
     options = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_SpecSplitServicer_to_server(SpecSplitService(worker, limits, cfg), server)
+    interceptors = [BearerTokenInterceptor(load_tokens(cfg.tokens_file))] if cfg.tokens_file else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    service = SpecSplitService(worker, limits, cfg, metrics)
+    server.add_generic_rpc_handlers((_generic_handler(service),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{cfg.host}:{cfg.port}"
-    if server.add_insecure_port(address) == 0:
+    bound = (
+        server.add_secure_port(address, cfg.tls.credentials()) if cfg.tls else server.add_insecure_port(address)
+    )
+    if bound == 0:
         raise OSError(f"could not bind {address}")
+    if cfg.metrics_port is not None:
+        metrics.serve(cfg.metrics_port, cfg.host)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -129,17 +201,22 @@ async def serve(engine: TargetEngine, sched: SchedulerConfig, cfg: ServeConfig, 
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     log.info(
-        "serving %s on %s (vocab %d, context %d, tokenizer %s)",
-        limits.target_model, address, limits.vocab_size, limits.max_context, limits.tokenizer_fingerprint,
+        "serving %s on %s%s (vocab %d, context %d, tokenizer %s)",
+        limits.target_model, address, " with TLS" if cfg.tls else "", limits.vocab_size, limits.max_context,
+        limits.tokenizer_fingerprint,
     )
     if ready is not None:
         ready.set()
     try:
         await stop.wait()
     finally:
-        log.info("shutting down: draining for up to %.0f s", cfg.grace_s)
+        log.info("shutting down: NOT_SERVING, refusing new sessions, draining for up to %.0f s", cfg.grace_s)
+        service.draining = True
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(cfg.grace_s)
+        deadline = loop.time() + cfg.grace_s
+        while worker.sessions and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        await server.stop(1.0)
         worker_task.cancel()
         worker.close()

@@ -64,3 +64,13 @@ class ServerBusy(ProtocolError):
     """Admission control: the server holds as many sessions as it allows."""
 
     status = "RESOURCE_EXHAUSTED"
+
+
+class MalformedMessage(ProtocolError):
+    """Bytes that do not parse as an EdgeMessage."""
+
+    status = "INVALID_ARGUMENT"
+
+
+class ClosedBeforeOpen(ProtocolError):
+    status = "FAILED_PRECONDITION"

@@ -243,6 +243,8 @@ class ServerSession:
         cut, reason = self._termination(new)
         new = new[:cut]
         accepted = min(outcome.accepted, cut)
+        # Drafts past an ending were never in question; all others were.
+        considered = len(task.drafts) if reason is None else min(len(task.drafts), cut)
         # Keep candidates beyond the new tokens only if they continue the committed trajectory.
         held = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
         agree = 0
@@ -256,14 +258,14 @@ class ServerSession:
         self.committed_len += len(new)
         self.verifications += 1
         self.drafts_accepted += accepted
-        if accepted < min(len(task.drafts), cut):
+        if accepted < considered:
             self.rejections += 1
         events: list[Verdict | Done] = [
             Verdict(
                 start=task.start,
                 tokens=tuple(new),
                 accepted=accepted,
-                proposed=min(len(task.drafts), cut),  # drafts past an ending were never in question
+                proposed=considered,
                 candidate_tip=len(self._seq) if reason is None else self.committed_len,
                 verifications=self.verifications,
                 chunks_received=self.chunks_received,

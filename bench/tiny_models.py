@@ -1,10 +1,12 @@
 """Tiny random-weight qwen2-architecture models and a small byte-level BPE tokenizer.
 
-The tests build these themselves (a few MB, seconds): a target, a different draft,
-and the same weights as the target for a draft whose every token is accepted.
+The tests and the soak build these themselves (a few MB, seconds): a target, a
+different draft, and the same weights as the target for a draft whose every token is
+accepted.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PROBE_PROMPT = "def add(a, b):"
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "The quick brown fox jumps over the lazy dog.",
@@ -66,3 +69,31 @@ def save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@dataclass
+class TinyModels:
+    target_dir: Path
+    draft_dir: Path  # ONNX export of a different model
+    same_dir: Path  # ONNX export of the target itself: every draft is accepted
+    eos_id: int
+
+
+def build_tiny_pair(root: Path) -> TinyModels:
+    """Target (HF directory) and drafts (through the real ONNX exporter) under `root`."""
+    from specsplit.server.export import export_draft
+
+    tok = build_tokenizer()
+    probe = build_model(0)
+    ids = torch.tensor([tok(PROBE_PROMPT)["input_ids"]])
+    with torch.no_grad():
+        cont = probe.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
+    # An eos the target really produces: the first token that has not appeared before, past a few steps.
+    eos = next(t for i, t in enumerate(cont) if i >= 5 and t not in cont[:i])
+    target = save(build_model(0, eos_id=eos), tok, root / "target")
+    draft_hf = save(build_model(1, layers=1, eos_id=eos), tok, root / "draft-hf")
+    draft = root / "draft"
+    export_draft(str(draft_hf), draft)
+    same = root / "same"
+    export_draft(str(target), same)
+    return TinyModels(target, draft, same, eos)

@@ -1,0 +1,103 @@
+"""Soak: many concurrent sessions against one server for minutes, with tiny models.
+
+Real ONNX Runtime edges (one asyncio process, one drafter per concurrent session)
+against a real server process; counts errors by status code and samples the server's
+resident memory. Writes bench/results/soak.json and soak.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+
+from orchestrate import running_server
+from tiny_models import build_tiny_pair
+
+from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.tokenizer import EdgeTokenizer
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import numpy as np", "Hello, how are"]
+
+
+async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, proc: psutil.Process) -> dict:
+    tok = EdgeTokenizer(draft_dir)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    errors: collections.Counter = collections.Counter()
+    done = tokens = 0
+    memory: list[tuple[float, int]] = []
+    deadline = time.monotonic() + duration_s
+    start = time.monotonic()
+
+    async def worker(i: int) -> None:
+        nonlocal done, tokens
+        drafter = OnnxDrafter(draft_dir)
+        modes = ["async", "sync", "none"]
+        n = 0
+        while time.monotonic() < deadline:
+            cfg = EdgeConfig(mode=modes[n % 3], max_new_tokens=16 + (i + n) % 48, window=8, k=4)
+            try:
+                r = await generate(address, prompts[(i + n) % len(prompts)], cfg, drafter=drafter,
+                                   fingerprint=tok.fingerprint, connect=ConnectOptions(retries=0))
+                done += 1
+                tokens += len(r.tokens)
+            except grpc.aio.AioRpcError as exc:
+                errors[exc.code().name] += 1
+            n += 1
+
+    async def sample() -> None:
+        while time.monotonic() < deadline:
+            memory.append((time.monotonic() - start, proc.memory_info().rss))
+            await asyncio.sleep(5)
+
+    await asyncio.gather(sample(), *(worker(i) for i in range(sessions)))
+    return {"generations": done, "tokens": tokens, "errors": dict(errors), "rss_samples": memory}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--margin", type=float, default=0.10, help="allowed growth of server memory after warm-up")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        models = build_tiny_pair(Path(tmp))
+        log = Path(tmp) / "server.log"
+        with running_server(str(models.target_dir), [1], ["--max-sessions", str(args.sessions)], log,
+                            dtype="fp32") as (address, server):
+            result = asyncio.run(load(address, models.draft_dir, args.sessions, args.minutes * 60,
+                                      psutil.Process(server.pid)))
+    samples = result["rss_samples"]
+    warm = [rss for t, rss in samples if t >= 60] or [rss for _, rss in samples]
+    growth = (warm[-1] - warm[0]) / warm[0]
+    passed = not result["errors"] and growth <= args.margin
+    report = {"sessions": args.sessions, "minutes": args.minutes, **result,
+              "rss_after_warmup_mb": warm[0] / 2**20, "rss_end_mb": warm[-1] / 2**20, "rss_growth": growth,
+              "margin": args.margin, "passed": passed,
+              "setup": "tiny random-weight qwen2 models; server pinned to core 1; edges in one process (mixed "
+                       "async/sync/none sessions, 16-63 new tokens each, restarted back to back)"}
+    out = HERE / "results" / "soak.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    out.with_suffix(".md").write_text(
+        f"# Soak: {args.sessions} concurrent sessions for {args.minutes:g} min\n\n"
+        f"- {report['setup']}\n- generations completed: {result['generations']}, tokens: {result['tokens']}\n"
+        f"- errors by status: {result['errors'] or 'none'}\n"
+        f"- server RSS after 1 min warm-up {report['rss_after_warmup_mb']:.0f} MB, at the end "
+        f"{report['rss_end_mb']:.0f} MB ({growth:+.1%}; margin {args.margin:.0%})\n- result: "
+        f"{'PASS' if passed else 'FAIL'}\n\nRerun: `make soak`.\n")
+    print(out.with_suffix(".md").read_text())
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Optional per-device bearer tokens, checked by a gRPC server interceptor, and TLS setup.
+
+Tokens file: one `DEVICE_ID TOKEN` pair per line (# comments allowed). A call without
+an `authorization: Bearer ...` header is UNAUTHENTICATED; a token no device holds is
+PERMISSION_DENIED. Health checking and reflection stay open so probes work.
+"""
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def load_tokens(path: Path) -> dict[str, str]:
+    """token -> device id."""
+    tokens: dict[str, str] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ValueError(f"{path}:{n}: expected 'DEVICE_ID TOKEN'")
+        device, token = parts
+        if len(token) < 16:
+            raise ValueError(f"{path}:{n}: token of device {device} is shorter than 16 characters")
+        tokens[token] = device
+    if not tokens:
+        raise ValueError(f"{path} holds no tokens")
+    return tokens
+
+
+def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    async def abort(request_iterator, context):  # type: ignore[no-untyped-def]
+        await context.abort(code, message)
+
+    return grpc.stream_stream_rpc_method_handler(abort)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self._tokens = tokens
+
+    def device_for(self, token: str) -> str | None:
+        for known, device in self._tokens.items():
+            if hmac.compare_digest(known, token):
+                return device
+        return None
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        if handler_call_details.method.startswith(OPEN_SERVICES):
+            return await continuation(handler_call_details)
+        header = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if not header.startswith("Bearer "):
+            return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
+        if self.device_for(header.removeprefix("Bearer ").strip()) is None:
+            return _deny(grpc.StatusCode.PERMISSION_DENIED, "this token belongs to no registered device")
+        return await continuation(handler_call_details)
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert: Path
+    key: Path
+    client_ca: Path | None = None  # set: mutual TLS, clients must present a certificate it signed
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.client_ca.read_bytes() if self.client_ca else None,
+            require_client_auth=self.client_ca is not None,
+        )

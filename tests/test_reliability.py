@@ -1,0 +1,238 @@
+"""What edges on real networks will do to a server: bad input, vanishing, limits,
+TLS and tokens, metrics, shutdown, server loss. Real server processes, tiny models."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from certs import make_pki
+from conftest import free_port, launch_server
+from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol.hashing import HashedSequence
+from specsplit.common.fingerprint import vocab_fingerprint
+from specsplit.v1 import specsplit_pb2 as pb
+from test_end_to_end import reference
+from tiny_models import build_tokenizer
+
+METHOD = "/specsplit.v1.SpecSplit/Generate"
+FINGERPRINT = vocab_fingerprint(build_tokenizer().get_vocab())  # the tiny models' tokenizer
+
+
+def raw_stream(address: str, messages: list[bytes], read: int = 1000, timeout: float = 20):
+    """Send raw request bytes; return (status code or None, responses read)."""
+    with grpc.insecure_channel(address) as ch:
+        call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
+        got = []
+        try:
+            for msg in call(iter(messages), timeout=timeout):
+                got.append(msg)
+                if len(got) >= read:
+                    break
+            return None, got
+        except grpc.RpcError as exc:
+            return exc.code(), got
+
+
+def open_msg(ids, **kw) -> bytes:
+    kw.setdefault("tokenizer_fingerprint", FINGERPRINT)
+    return pb.EdgeMessage(open=pb.Open(prompt_ids=ids, max_new_tokens=kw.pop("max_new", 8), **kw)).SerializeToString()
+
+
+def draft_msg(start, tokens, prefix) -> bytes:
+    parent = HashedSequence(prefix).hash_before(start) if start <= len(prefix) else 0
+    return pb.EdgeMessage(draft=pb.Draft(start=start, tokens=tokens, parent_hash=parent)).SerializeToString()
+
+
+PROMPT = [5, 6, 7, 8]
+BAD_INPUT = {
+    "draft before open": ([draft_msg(4, [1], PROMPT)], grpc.StatusCode.FAILED_PRECONDITION),
+    "second open": ([open_msg(PROMPT), open_msg(PROMPT)], grpc.StatusCode.FAILED_PRECONDITION),
+    "bytes that are not a message": ([b"\xff\xff\xff\x07garbage"], grpc.StatusCode.INVALID_ARGUMENT),
+    "empty message": ([pb.EdgeMessage().SerializeToString()], grpc.StatusCode.INVALID_ARGUMENT),
+    "oversize message": ([open_msg([1] * 1_100_000)], grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "token outside the vocabulary": ([open_msg([5, 100_000])], grpc.StatusCode.INVALID_ARGUMENT),
+    "draft behind the committed point": ([open_msg(PROMPT), draft_msg(2, [1, 2], PROMPT)],
+                                         grpc.StatusCode.OUT_OF_RANGE),
+    "draft past the lookahead limit": ([open_msg(PROMPT, max_new=200), draft_msg(4, list(range(1, 41)), PROMPT)],
+                                       grpc.StatusCode.OUT_OF_RANGE),
+    "prompt over the context limit": ([open_msg([1] * 300)], grpc.StatusCode.OUT_OF_RANGE),
+    "unknown verification mode": ([open_msg(PROMPT, verification=9)], grpc.StatusCode.INVALID_ARGUMENT),
+    "negative temperature": ([open_msg(PROMPT, sampling=pb.Sampling(temperature=-1))],
+                             grpc.StatusCode.INVALID_ARGUMENT),
+    "top_p above one": ([open_msg(PROMPT, sampling=pb.Sampling(temperature=1, top_p=5))],
+                        grpc.StatusCode.INVALID_ARGUMENT),
+    "max_new_tokens over the limit": ([open_msg(PROMPT, max_new=100_000)], grpc.StatusCode.INVALID_ARGUMENT),
+    "half-closed before open": ([], grpc.StatusCode.FAILED_PRECONDITION),
+    "another tokenizer": ([open_msg(PROMPT, tokenizer_fingerprint="0123456789abcdef")],
+                          grpc.StatusCode.FAILED_PRECONDITION),
+}
+
+
+def run_edge(address, tiny, prompt_ids, cfg, connect=ConnectOptions(), on_commit=None):
+    return asyncio.run(generate(address, prompt_ids, cfg, drafter=OnnxDrafter(tiny.draft_dir),
+                                fingerprint=EdgeTokenizer(tiny.draft_dir).fingerprint, connect=connect,
+                                on_commit=on_commit))
+
+
+def test_bad_input_gets_precise_status_and_harms_nobody(tiny, server) -> None:
+    ids = EdgeTokenizer(tiny.draft_dir).encode("for i in range(10):")
+    result = {}
+    well_behaved = threading.Thread(target=lambda: result.update(r=run_edge(server, tiny, ids, EdgeConfig(
+        max_new_tokens=150, mode="sync", k=2))))
+    well_behaved.start()
+    for name, (messages, want) in BAD_INPUT.items():
+        code, _ = raw_stream(server, messages)
+        assert code == want, name
+    well_behaved.join()
+    assert result["r"].tokens == reference(str(tiny.target_dir), ids, 150)
+
+
+def metric(address: str, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    return sum(values)
+
+
+@pytest.fixture(scope="module")
+def limited(tiny, tmp_path_factory):
+    """A server with metrics, two sessions at most, and a short drain."""
+    mport = free_port()
+    log = tmp_path_factory.mktemp("limited") / "server.log"
+    with launch_server(tiny.target_dir, log, "--metrics-port", str(mport), "--max-sessions", "2",
+                       "--grace", "3") as (address, proc):
+        yield address, f"127.0.0.1:{mport}", proc
+
+
+def wait_for(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_vanished_edge_frees_its_session_and_kv(tiny, limited) -> None:
+    address, metrics, _ = limited
+    with grpc.insecure_channel(address) as ch:
+        call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
+        responses = call(iter([open_msg(PROMPT, max_new=250)]), timeout=30)
+        next(responses)  # Opened: the session exists; now the edge stops reading...
+        assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 1)
+        responses.cancel()  # ...and goes away
+    assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
+    assert metric(metrics, "specsplit_kv_cache_bytes") == 0
+    assert metric(metrics, "specsplit_sessions_total") >= 1
+
+
+def test_session_limit_is_resource_exhausted(tiny, limited) -> None:
+    address, metrics, _ = limited
+    channels, holders = [], []
+    for _ in range(2):  # two edges that open a session and do not read: both stay open
+        ch = grpc.insecure_channel(address)
+        call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
+        it = call(iter([open_msg(PROMPT, max_new=4000)]), timeout=60)
+        next(it)
+        channels.append(ch)
+        holders.append(it)
+    try:
+        code, _ = raw_stream(address, [open_msg(PROMPT)])
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for it in holders:
+            it.cancel()
+        for ch in channels:
+            ch.close()
+    assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
+    assert metric(metrics, "specsplit_errors_total") >= 1
+
+
+def test_sigterm_drains(tiny, tmp_path) -> None:
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--grace", "3") as (address, proc):
+        with grpc.insecure_channel(address) as ch:
+            call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
+            held = call(iter([open_msg(PROMPT, max_new=4000)]), timeout=60)
+            next(held)  # an open session whose edge is slow to read
+            proc.send_signal(signal.SIGTERM)
+            health = health_pb2_grpc.HealthStub(ch)
+            assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
+                            == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+            code, _ = raw_stream(address, [open_msg(PROMPT)])
+            assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+            assert proc.wait(timeout=30) == 0
+
+
+def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:
+    pki = make_pki(tmp_path)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# device token\npi-kitchen 0123456789abcdef0123\n")
+    ids = EdgeTokenizer(tiny.draft_dir).encode("hello")
+    want = reference(str(tiny.target_dir), ids, 6)
+    read = lambda p: p.read_bytes()  # noqa: E731
+    full = grpc.ssl_channel_credentials(read(pki["ca"].with_suffix(".crt")), read(pki["client"].with_suffix(".key")),
+                                        read(pki["client"].with_suffix(".crt")))
+    no_client_cert = grpc.ssl_channel_credentials(read(pki["ca"].with_suffix(".crt")))
+    cfg = EdgeConfig(max_new_tokens=6)
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--tls-cert", str(pki["server"].with_suffix(".crt")),
+                       "--tls-key", str(pki["server"].with_suffix(".key")), "--tls-client-ca",
+                       str(pki["ca"].with_suffix(".crt")), "--tokens-file", str(tokens), healthy=False) as (addr, _):
+        ok = ConnectOptions(credentials=full, token="0123456789abcdef0123", retries=0)
+        deadline = time.monotonic() + 60
+        while True:  # wait for the server to come up (health checks need TLS too)
+            try:
+                assert run_edge(addr, tiny, ids, cfg, ok).tokens == want
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        for connect, code in [
+            (ConnectOptions(credentials=full, retries=0), grpc.StatusCode.UNAUTHENTICATED),
+            (ConnectOptions(credentials=full, token="not-a-registered-token", retries=0),
+             grpc.StatusCode.PERMISSION_DENIED),
+            (ConnectOptions(credentials=no_client_cert, token="0123456789abcdef0123", retries=0),
+             grpc.StatusCode.UNAVAILABLE),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                run_edge(addr, tiny, ids, cfg, connect)
+            assert exc.value.code() == code
+        with pytest.raises(grpc.aio.AioRpcError) as exc:  # plaintext to a TLS port
+            run_edge(addr, tiny, ids, cfg, ConnectOptions(token="0123456789abcdef0123", retries=0))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_edge_resumes_on_another_server_when_its_server_dies(tiny, server, tmp_path) -> None:
+    """Kill -9 the server mid-generation: the edge re-opens on the next server with its
+    committed prefix; the text equals an uninterrupted run, nothing lost or doubled."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    candidates = ["import numpy as np", "The quick brown fox", "Hello, how are", "x = 1\ny = 2\n", "def f():"]
+    ids, want = max(((tok.encode(c), reference(str(tiny.target_dir), tok.encode(c), 120)) for c in candidates),
+                    key=lambda pair: len(pair[1]))
+    assert len(want) >= 12, "no candidate prompt generates long enough to be interrupted"
+    with launch_server(tiny.target_dir, tmp_path / "doomed.log") as (doomed, proc):
+        seen = []
+
+        def on_commit(generated: list[int]) -> None:
+            seen.append(len(generated))
+            if len(generated) >= 4 and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+
+        connect = ConnectOptions(retries=3, backoff_s=0.2, stall_timeout_s=5)
+        result = run_edge([doomed, server], tiny, ids, EdgeConfig(max_new_tokens=120, mode="sync", k=2), connect,
+                          on_commit)
+    assert proc.poll() is not None, "the server was not killed mid-generation"
+    assert result.tokens == want
+    assert result.stats.reconnects >= 1
+    assert all(b >= a for a, b in zip(seen, seen[1:])), "committed tokens went backwards"
