@@ -45,6 +45,29 @@ def raw_stream(address: str, messages: list[bytes], read: int = 1000, timeout: f
             return exc.code(), got
 
 
+class HeldSession:
+    """An edge that opens a synchronous session, sends no drafts and keeps its stream open:
+    the server holds the session (it waits for drafts) until the edge goes away."""
+
+    def __init__(self, address: str) -> None:
+        self.release = threading.Event()
+        self.channel = grpc.insecure_channel(address)
+        call = self.channel.stream_stream(METHOD, request_serializer=None,
+                                          response_deserializer=pb.ServerMessage.FromString)
+
+        def requests():
+            yield open_msg(PROMPT, max_new=100, draft_mode=pb.DRAFT_MODE_SYNC)
+            self.release.wait(60)
+
+        self.responses = call(requests(), timeout=60)
+        assert next(self.responses).WhichOneof("kind") == "opened"
+
+    def close(self) -> None:
+        self.responses.cancel()
+        self.release.set()
+        self.channel.close()
+
+
 def open_msg(ids, **kw) -> bytes:
     kw.setdefault("tokenizer_fingerprint", FINGERPRINT)
     return pb.EdgeMessage(open=pb.Open(prompt_ids=ids, max_new_tokens=kw.pop("max_new", 8), **kw)).SerializeToString()
@@ -126,12 +149,9 @@ def wait_for(predicate, timeout: float = 15.0) -> bool:
 
 def test_vanished_edge_frees_its_session_and_kv(tiny, limited) -> None:
     address, metrics, _ = limited
-    with grpc.insecure_channel(address) as ch:
-        call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
-        responses = call(iter([open_msg(PROMPT, max_new=250)]), timeout=30)
-        next(responses)  # Opened: the session exists; now the edge stops reading...
-        assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 1)
-        responses.cancel()  # ...and goes away
+    held = HeldSession(address)
+    assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 1)
+    held.close()  # the edge goes away
     assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
     assert metric(metrics, "specsplit_kv_cache_bytes") == 0
     assert metric(metrics, "specsplit_sessions_total") >= 1
@@ -139,39 +159,31 @@ def test_vanished_edge_frees_its_session_and_kv(tiny, limited) -> None:
 
 def test_session_limit_is_resource_exhausted(tiny, limited) -> None:
     address, metrics, _ = limited
-    channels, holders = [], []
-    for _ in range(2):  # two edges that open a session and do not read: both stay open
-        ch = grpc.insecure_channel(address)
-        call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
-        it = call(iter([open_msg(PROMPT, max_new=4000)]), timeout=60)
-        next(it)
-        channels.append(ch)
-        holders.append(it)
+    held = [HeldSession(address), HeldSession(address)]
     try:
         code, _ = raw_stream(address, [open_msg(PROMPT)])
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
-        for it in holders:
-            it.cancel()
-        for ch in channels:
-            ch.close()
+        for h in held:
+            h.close()
     assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
     assert metric(metrics, "specsplit_errors_total") >= 1
 
 
 def test_sigterm_drains(tiny, tmp_path) -> None:
     with launch_server(tiny.target_dir, tmp_path / "s.log", "--grace", "3") as (address, proc):
-        with grpc.insecure_channel(address) as ch:
-            call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
-            held = call(iter([open_msg(PROMPT, max_new=4000)]), timeout=60)
-            next(held)  # an open session whose edge is slow to read
+        held = HeldSession(address)  # an open session that will not finish by itself
+        try:
             proc.send_signal(signal.SIGTERM)
-            health = health_pb2_grpc.HealthStub(ch)
-            assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
-                            == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+            with grpc.insecure_channel(address) as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
+                                == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
             code, _ = raw_stream(address, [open_msg(PROMPT)])
-            assert code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert proc.wait(timeout=30) == 0
+        finally:
+            held.close()
 
 
 def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:

@@ -120,11 +120,19 @@ class _Generation:
         self._verdicts = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self.stall_timeout_s: float | None = None
+        self._outgoing: asyncio.Queue = asyncio.Queue()  # holds at most a window of drafts
         self.metadata: tuple[tuple[str, str], ...] = ()
 
-    async def _write(self, call, msg) -> None:  # type: ignore[no-untyped-def]
+    def _send(self, msg) -> None:  # type: ignore[no-untyped-def]
         self.stats.bytes_up += msg.ByteSize() + GRPC_FRAME_BYTES
-        await call.write(msg)
+        self._outgoing.put_nowait(msg)
+
+    async def _requests(self):  # type: ignore[no-untyped-def]
+        """The request stream. gRPC's own task sends it, so a message still queued when the
+        server ends the call is dropped quietly instead of failing the call (a direct
+        write racing the server's final status turns that status into INTERNAL)."""
+        while (msg := await self._outgoing.get()) is not None:
+            yield msg
 
     async def _read_one(self, call):  # type: ignore[no-untyped-def]
         try:
@@ -146,8 +154,8 @@ class _Generation:
 
     async def run(self, stub: pb_grpc.SpecSplitStub) -> GenerationResult:
         t0 = self._t0 = time.perf_counter()
-        call = stub.Generate(metadata=self.metadata or None)
-        await self._write(call, codec.open_to_pb(self.request))
+        call = stub.Generate(self._requests(), metadata=self.metadata or None)
+        self._send(codec.open_to_pb(self.request))
         opened = await self._read_one(call)
         if not isinstance(opened, Opened):
             raise ConnectionError(f"expected Opened first, got {type(opened).__name__}")
@@ -163,12 +171,10 @@ class _Generation:
                     await asyncio.gather(drafting, return_exceptions=True)
                 raise
             if drafting is not None:
-                # Done arrived: the drafting loop sees it and stops after any write in progress,
-                # so the stream is half-closed cleanly rather than cut under a write.
-                await drafting
+                await drafting  # Done arrived: the drafting loop sees it and stops
         finally:
+            self._outgoing.put_nowait(None)  # half-close
             self._pool.shutdown(wait=False)
-        await call.done_writing()
         self.stats.finish(self.edge, time.perf_counter() - t0, self.commit_times)
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
@@ -228,7 +234,7 @@ class _Generation:
                 if sync:
                     awaiting = self._verdicts
                 self._mark("send", self._now(), chunk.start, len(chunk.tokens))
-                await self._write(call, codec.draft_to_pb(chunk))
+                self._send(codec.draft_to_pb(chunk))
 
 
 def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:

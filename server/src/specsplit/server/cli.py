@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
         idle_policy=args.idle_policy,
         idle_wait_s=args.idle_wait_ms / 1000,
         max_wait_s=args.max_wait_ms / 1000,
+        stalled_edge_s=args.stalled_edge_timeout,
     )
     from specsplit.server.auth import TLSConfig
 
@@ -160,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens a session may ask")
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="larger messages get RESOURCE_EXHAUSTED")
     s.add_argument("--grace", type=float, default=10.0, help="seconds open sessions get to finish on SIGTERM")
+    s.add_argument("--stalled-edge-timeout", type=float, default=30.0,
+                   help="seconds an edge may leave its verdicts unread before its session is ended")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     s.add_argument("--tls-key", help="server private key (PEM)")

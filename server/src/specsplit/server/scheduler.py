@@ -37,6 +37,9 @@ class SchedulerConfig:
     idle_policy: str = "adaptive"
     idle_wait_s: float = 0.02
     max_wait_s: float = 0.5
+    # An edge that stops reading fills its outbox; after this long it is cut off and its
+    # session and KV cache are freed.
+    stalled_edge_s: float = 30.0
     outbox_size: int = 64
 
     def __post_init__(self) -> None:
@@ -51,6 +54,8 @@ class SessionHandle:
     kv: KVState = field(default_factory=KVState)
     idle_since: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # time the target spent on this session
+    stream_task: asyncio.Task | None = None  # the servicer task, cancelled if the edge stalls
+    full_since: float | None = None  # when the outbox last filled up
     budget: int = 0  # drafts the next verification takes, as planned
     arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
 
@@ -94,8 +99,16 @@ class VerificationWorker:
         """When the session may next be verified (now or later), or None if not at all;
         sets h.budget, the drafts that verification takes."""
         s = h.session
-        if s.done is not None or h.outbox.qsize() > h.outbox.maxsize - 2:
+        if s.done is not None:
             return None
+        if h.outbox.qsize() > h.outbox.maxsize - 2:
+            h.full_since = h.full_since or now
+            if now - h.full_since > self.config.stalled_edge_s and h.stream_task is not None:
+                log.info("session %s: the edge stopped reading; ending the session", s.session_id)
+                h.stream_task.cancel()
+                return None
+            return h.full_since + self.config.stalled_edge_s + 0.01  # look again then
+        h.full_since = None
         limit = self.config.max_verify_tokens
         available = len(s.candidates)
         mode = s.request.draft_mode

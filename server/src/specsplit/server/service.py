@@ -71,7 +71,9 @@ class SpecSplitService:
         self.metrics = metrics
         self.draining = False
 
-    async def _read(self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue) -> None:
+    async def _read(
+        self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue, stream_task: asyncio.Task
+    ) -> None:
         """Feed the edge's messages to the core; errors go to the outbox as exceptions.
 
         Requests arrive as raw bytes so that a message that does not parse is answered
@@ -94,7 +96,7 @@ class SpecSplitService:
                 for item in out:
                     await outbox.put(item)
                 if isinstance(event, OpenRequest) and conn.session is not None and conn.session.done is None:
-                    self.worker.add(SessionHandle(conn.session, outbox))
+                    self.worker.add(SessionHandle(conn.session, outbox, stream_task=stream_task))
                     self.metrics.sessions_total.inc()
                 else:
                     self.worker.notify()
@@ -106,7 +108,7 @@ class SpecSplitService:
     async def Generate(self, request_iterator, context):  # type: ignore[no-untyped-def]
         conn = ServerConnection(self.limits, uuid.uuid4().hex[:12])
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
-        reader = asyncio.create_task(self._read(request_iterator, conn, outbox))
+        reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
         self.metrics.sessions_active.inc()
         reason = "disconnected"
         try:
