@@ -248,3 +248,56 @@ def test_edge_resumes_on_another_server_when_its_server_dies(tiny, server, tmp_p
     assert result.tokens == want
     assert result.stats.reconnects >= 1
     assert all(b >= a for a, b in zip(seen, seen[1:])), "committed tokens went backwards"
+
+
+def test_stalled_network_recovers_or_fails_unavailable(tiny, server) -> None:
+    """The benchmark's proxy paused mid-generation: with a short stall timeout the edge
+    re-opens and finishes correctly once the link is back; with the link gone for good it
+    gives up with UNAVAILABLE after its retries instead of hanging."""
+    from netem_proxy import LinkConfig, NetemProxy
+    from specsplit.edge.client import StreamStalled
+
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("The quick brown fox")
+    want = reference(str(tiny.target_dir), ids, 60)
+    host, port = server.rsplit(":", 1)
+
+    async def main(resume_after: float | None):
+        proxy = NetemProxy(host, int(port), LinkConfig(delay_s=0.005))
+        address = f"127.0.0.1:{await proxy.start()}"
+        paused = []
+
+        def on_commit(generated: list[int]) -> None:
+            if len(generated) >= 3 and not paused:
+                paused.append(True)
+                proxy.pause()
+                if resume_after is not None:
+                    asyncio.get_running_loop().call_later(resume_after, proxy.resume)
+
+        try:
+            return await generate(address, ids, EdgeConfig(max_new_tokens=60, mode="sync", k=2),
+                                  drafter=OnnxDrafter(tiny.draft_dir), fingerprint=tok.fingerprint,
+                                  on_commit=on_commit,
+                                  connect=ConnectOptions(stall_timeout_s=1.0, retries=4, backoff_s=0.2))
+        finally:
+            await proxy.close()
+
+    if len(want) >= 6:
+        result = asyncio.run(main(resume_after=2.0))
+        assert result.tokens == want and result.stats.reconnects >= 1
+    started = time.monotonic()
+    with pytest.raises((grpc.aio.AioRpcError, StreamStalled)) as exc:
+        asyncio.run(main(resume_after=None))
+    assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert time.monotonic() - started < 60
+
+
+def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
+    import json as _json
+
+    log = tmp_path / "s.log"
+    with launch_server(tiny.target_dir, log, "--log-format", "json") as (address, _):
+        raw_stream(address, [open_msg(PROMPT, max_new=3)])
+    lines = [_json.loads(l) for l in log.read_text().splitlines() if l.startswith("{")]
+    done = [l for l in lines if "done" in l["msg"]]
+    assert done and done[0]["session"] and done[0]["level"] == "info"

@@ -11,7 +11,7 @@ import grpc
 
 import os
 
-from specsplit.edge.client import MODES, ConnectOptions, EdgeConfig, generate
+from specsplit.edge.client import MODES, ConnectOptions, EdgeConfig, StreamStalled, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.messages import SamplingParams, VerificationMode
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return asyncio.run(_generate(args))
-    except grpc.aio.AioRpcError as exc:
+    except (grpc.aio.AioRpcError, StreamStalled) as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except (FileNotFoundError, ValueError) as exc:

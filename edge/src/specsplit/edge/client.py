@@ -39,7 +39,14 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class StreamStalled(Exception):
-    """Nothing came from the server for longer than the stall timeout."""
+    """Nothing came from the server for longer than the stall timeout: to the caller, the
+    server is as UNAVAILABLE as one that refuses connections."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
 
 
 @dataclass(frozen=True)

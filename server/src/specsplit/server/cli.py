@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-key", help="server private key (PEM)")
     s.add_argument("--tls-client-ca", help="CA (PEM) that signed client certificates: require mutual TLS")
     s.add_argument("--tokens-file", help="per-device bearer tokens, one 'DEVICE_ID TOKEN' per line")
+    s.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="json: one JSON object per line, with the session id as a field")
     s.set_defaults(func=_serve)
 
     e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge")
@@ -208,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if getattr(args, "log_format", "text") == "json":
+        from specsplit.server.logfmt import JsonFormatter
+
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(JsonFormatter())
     logging.getLogger("specsplit").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     return args.func(args)
 

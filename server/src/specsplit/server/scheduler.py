@@ -104,7 +104,8 @@ class VerificationWorker:
         if h.outbox.qsize() > h.outbox.maxsize - 2:
             h.full_since = h.full_since or now
             if now - h.full_since > self.config.stalled_edge_s and h.stream_task is not None:
-                log.info("session %s: the edge stopped reading; ending the session", s.session_id)
+                log.info("session %s: the edge stopped reading; ending the session", s.session_id,
+                         extra={"session": s.session_id})
                 h.stream_task.cancel()
                 return None
             return h.full_since + self.config.stalled_edge_s + 0.01  # look again then
@@ -165,7 +166,7 @@ class VerificationWorker:
                     self._pool, self.engine.verify_logits, handle.kv, prefix, task.drafts
                 )
             except Exception as exc:  # a failing model must not take the other sessions down
-                log.exception("session %s: verification failed", s.session_id)
+                log.exception("session %s: verification failed", s.session_id, extra={"session": s.session_id})
                 handle.outbox.put_nowait(exc)
                 self.remove(s.session_id)
                 continue

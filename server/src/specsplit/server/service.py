@@ -117,7 +117,8 @@ class SpecSplitService:
                 if isinstance(item, errors.ProtocolError):
                     reason = "error"
                     self.metrics.errors.labels(item.status).inc()
-                    log.info("session %s: %s: %s", conn.session_id, item.status, item.message)
+                    log.info("session %s: %s: %s", conn.session_id, item.status, item.message,
+                             extra={"session": conn.session_id})
                     await context.abort(grpc.StatusCode[item.status], item.message)
                 if isinstance(item, Exception):
                     reason = "error"
@@ -130,7 +131,8 @@ class SpecSplitService:
                 yield codec.server_to_pb(item)
                 if isinstance(item, Done):
                     reason = item.reason.name.lower()
-                    log.info("session %s: done (%s) at %d tokens", conn.session_id, reason, item.committed_length)
+                    log.info("session %s: done (%s) at %d tokens", conn.session_id, reason, item.committed_length,
+                             extra={"session": conn.session_id})
                     # Let the edge half-close first: ending the call while its last drafts are
                     # still being written would fail those writes and, with them, the call.
                     try:
