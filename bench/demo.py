@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== edge (async drafting) on {address}\n", flush=True)
         split = run_edge(address, str(pair.draft_dir), args.prompt, "async", edge_cores,
                          [*extra, "--window", str(args.window)], stream=True)
-        print(f"\n== the same prompt decoded by the server alone (edge mode none)", flush=True)
+        print("\n== the same prompt decoded by the server alone (edge mode none)", flush=True)
         alone = run_edge(address, str(pair.draft_dir), args.prompt, "none", edge_cores, extra)
     identical = split["token_ids"] == alone["token_ids"]
     speedup = split["tokens_per_s"] / alone["tokens_per_s"] if alone["tokens_per_s"] else float("nan")
     print()
-    print(f"| | tokens | tokens/s | time to first token |")
-    print(f"| --- | --- | --- | --- |")
+    print("| | tokens | tokens/s | time to first token |")
+    print("| --- | --- | --- | --- |")
     for name, r in (("edge + server (async)", split), ("server alone", alone)):
         print(f"| {name} | {r['tokens']} | {r['tokens_per_s']:.2f} | {r['ttft_s'] * 1000:.0f} ms |")
     print()

@@ -12,7 +12,6 @@ import urllib.request
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from certs import make_pki

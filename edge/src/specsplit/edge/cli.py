@@ -97,11 +97,10 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="specsplit-edge", description=__doc__,
-        epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN.")
+    p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion of PROMPT")
+    g = sub.add_parser("generate", help="generate a completion of PROMPT",
+                       epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN.")
     g.add_argument("prompt", metavar="PROMPT")
     g.add_argument("--server", required=True,
                    help="HOST:PORT of the specsplit server; a comma-separated list fails over in order")
