@@ -4,7 +4,10 @@ Sessions hand it work by holding candidates (or by waiting for an autoregressive
 step); it picks them round-robin, runs the target in a worker thread so the event
 loop keeps moving messages, and puts verdicts into each session's bounded outbox
 as soon as they exist. A session whose outbox is full (its edge is not reading) is
-skipped rather than waited for, so it cannot slow the others.
+skipped rather than waited for, so it cannot slow the others, and is ended once it has
+stayed full for `stalled_edge_s`. How many drafts a verification takes, and whether an
+asynchronous session should first wait for drafts on their way, is the policy's call
+(`policy.py`).
 """
 from __future__ import annotations
 
