@@ -6,6 +6,7 @@ PERMISSION_DENIED. Health checking and reflection stay open so probes work.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,17 @@ def load_tokens(path: Path) -> dict[str, str]:
     return tokens
 
 
+FIRST_MESSAGE_WAIT_S = 5.0
+
+
 def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     async def abort(request_iterator, context):  # type: ignore[no-untyped-def]
+        # Take the first message before refusing: a status sent while the client's first
+        # write is still in flight reaches a gRPC Python client as INTERNAL, not as `code`.
+        try:
+            await asyncio.wait_for(anext(aiter(request_iterator), None), FIRST_MESSAGE_WAIT_S)
+        except (asyncio.TimeoutError, grpc.RpcError):
+            pass
         await context.abort(code, message)
 
     return grpc.stream_stream_rpc_method_handler(abort)
