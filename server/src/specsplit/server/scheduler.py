@@ -79,7 +79,6 @@ class VerificationWorker:
         self._wake = asyncio.Event()
         # One thread: the model is used by one verification at a time.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
-        self.busy_s = 0.0
         self.costs = PassCostModel()
 
     def add(self, handle: SessionHandle) -> None:
@@ -93,7 +92,7 @@ class VerificationWorker:
         if handle is not None:
             self._order.remove(session_id)
             handle.kv.crop(0)
-            self.metrics.kv_bytes.set(sum(h.kv.nbytes() for h in self.sessions.values()))
+            self._update_gauges()
 
     def notify(self) -> None:
         self._wake.set()
@@ -178,7 +177,6 @@ class VerificationWorker:
             self.metrics.verify_seconds.observe(elapsed)
             self.metrics.verify_drafts.observe(len(task.drafts))
             self.metrics.batch_sessions.observe(1)
-            self.busy_s += elapsed
             handle.busy_s += elapsed
             self._deliver(handle, task, logits, elapsed)
 
@@ -196,6 +194,9 @@ class VerificationWorker:
             handle.idle_since = time.monotonic()
         if s.done is not None:
             self.remove(s.session_id)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
         self.metrics.outbox_depth.set(sum(h.outbox.qsize() for h in self.sessions.values()))
         self.metrics.kv_bytes.set(sum(h.kv.nbytes() for h in self.sessions.values()))
 
