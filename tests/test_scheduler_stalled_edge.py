@@ -17,8 +17,8 @@ def test_a_session_whose_outbox_stays_full_is_ended() -> None:
             outbox.put_nowait(i)  # nobody reads: the outbox is full
         stream = asyncio.create_task(asyncio.sleep(60))
         worker.add(SessionHandle(session, outbox, stream_task=stream))
-        handle, _ = worker._pick()
-        assert handle is None and not stream.cancelled()  # paused, not yet cut off
+        batch, _ = worker._pick()
+        assert batch == [] and not stream.cancelled()  # paused, not yet cut off
         await asyncio.sleep(0.3)
         worker._pick()
         await asyncio.sleep(0)

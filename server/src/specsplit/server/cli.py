@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, args.device)
     logging.getLogger(__name__).info("loading target %s (%s on %s)", args.target, dtype, args.device)
-    loaded = load_model(args.target, dtype=dtype, device=args.device)
+    loaded = load_model(args.target, dtype=dtype, device=args.device, dummy=args.load_format == "dummy")
     if args.cpu_linear == "onednn" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
         from specsplit.server.cpu_linear import use_onednn_linears
 
@@ -33,6 +33,8 @@ def _serve(args: argparse.Namespace) -> int:
     engine = TargetEngine(loaded)
     sched = SchedulerConfig(
         max_verify_tokens=args.max_verify_tokens,
+        max_batch_sessions=args.max_batch_sessions,
+        max_batch_tokens=args.max_batch_tokens,
         adaptive=not args.fixed_verify,
         idle_policy=args.idle_policy,
         idle_wait_s=args.idle_wait_ms / 1000,
@@ -133,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     s.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights from the target's config.json (for benchmarks and load tests; the output "
+        "is meaningless text)",
+    )
+    s.add_argument(
         "--cpu-linear",
         choices=["auto", "onednn", "default"],
         default="auto",
@@ -154,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="always verify every candidate up to --max-verify-tokens (default: choose the number that maximizes "
         "expected tokens per second from the session's acceptance and measured pass times)",
+    )
+    s.add_argument("--max-batch-sessions", type=int, default=32, help="most sessions one target pass verifies")
+    s.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        help="token budget of one target pass, padding included (sessions x longest feed); when more sessions "
+        "are ready, each verifies at most its share of drafts, and a longer prefill runs alone",
     )
     s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")

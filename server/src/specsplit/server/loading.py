@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specsplit.common.fingerprint import vocab_fingerprint
 
@@ -63,8 +63,12 @@ def _split_gguf(path: str) -> tuple[str, dict]:
     return path, {}
 
 
-def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None) -> LoadedModel:
-    """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id."""
+def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None,
+               dummy: bool = False) -> LoadedModel:
+    """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id.
+
+    `dummy`: only the directory's config.json and tokenizer are read and the weights are
+    random, built on the device itself (a 7B model in seconds, without its 15 GB of files)."""
     dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -72,7 +76,12 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
     tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     if attn:
         extra["attn_implementation"] = attn
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **extra)
+    if dummy:
+        config = AutoConfig.from_pretrained(source, **extra)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **extra)
     model.to(device).eval()
     return LoadedModel(model, tokenizer, path)
 

@@ -26,6 +26,10 @@ class ServerMetrics:
             "specsplit_verification_batch_sessions", "Sessions per target pass", registry=r,
             buckets=(1, 2, 4, 8, 16, 32, 64),
         )
+        self.batch_tokens = Histogram(
+            "specsplit_verification_batch_tokens", "Tokens per target pass, padding included", registry=r,
+            buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048),
+        )
         self.outbox_depth = Gauge("specsplit_outbox_depth", "Messages queued to edges, all sessions", registry=r)
         self.kv_bytes = Gauge("specsplit_kv_cache_bytes", "KV cache memory held by sessions", registry=r)
         self.errors = Counter("specsplit_errors", "Streams ended with an error, by gRPC status", ["code"], registry=r)

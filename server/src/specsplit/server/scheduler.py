@@ -1,13 +1,16 @@
 """The verification worker: the one owner of the target model.
 
 Sessions hand it work by holding candidates (or by waiting for an autoregressive
-step); it picks them round-robin, runs the target in a worker thread so the event
-loop keeps moving messages, and puts verdicts into each session's bounded outbox
-as soon as they exist. A session whose outbox is full (its edge is not reading) is
-skipped rather than waited for, so it cannot slow the others, and is ended once it has
-stayed full for `stalled_edge_s`. How many drafts a verification takes, and whether an
-asynchronous session should first wait for drafts on their way, is the policy's call
-(`policy.py`).
+step). Each round it takes every session that is ready, in round-robin order, into one
+target pass, up to a session count and a token budget (padded tokens: sessions times
+the longest feed); a session left out goes to the front of the next round, so none
+starves. The pass runs in a worker thread so the event loop keeps moving messages, and
+verdicts go into each session's bounded outbox as soon as they exist. A session whose
+outbox is full (its edge is not reading) is skipped rather than waited for, so it cannot
+slow the others, and is ended once it has stayed full for `stalled_edge_s`. How many
+drafts a verification takes, and whether an asynchronous session should first wait for
+drafts on their way, is the policy's call (`policy.py`); when many sessions are ready,
+each gets at most its fair share of the token budget.
 """
 from __future__ import annotations
 
@@ -19,9 +22,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from specsplit.protocol.messages import Done, DraftMode, Verdict
+from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
-from specsplit.server.engine import KVState, TargetEngine
+from specsplit.server.engine import KVState, TargetEngine, VerifyItem
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, plan
 
@@ -34,6 +37,8 @@ DEFAULT_DRAFT_RATE = 10.0  # drafts per second an edge is assumed to send before
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_verify_tokens: int = 24  # drafts one verification may take from a session
+    max_batch_sessions: int = 32  # sessions one target pass may verify
+    max_batch_tokens: int = 512  # padded tokens one pass may take (a longer prefill runs alone)
     adaptive: bool = True  # pick how many drafts to verify from acceptance and measured pass times
     # Async sessions short of candidates: "adaptive" waits for drafts on their way when that
     # pays (up to max_wait_s), "ar" verifies or steps at once, "wait" waits idle_wait_s first.
@@ -46,6 +51,8 @@ class SchedulerConfig:
     outbox_size: int = 64
 
     def __post_init__(self) -> None:
+        if self.max_batch_sessions < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_batch_sessions and max_batch_tokens must be at least 1")
         if self.idle_policy not in IDLE_POLICIES:
             raise ValueError(f"idle policy must be one of {IDLE_POLICIES}, got {self.idle_policy!r}")
 
@@ -76,6 +83,7 @@ class VerificationWorker:
         self.metrics = metrics or ServerMetrics()
         self.sessions: dict[str, SessionHandle] = {}
         self._order: deque[str] = deque()
+        self._in_flight: set[str] = set()  # sessions in the pass now running
         self._wake = asyncio.Event()
         # One thread: the model is used by one verification at a time.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
@@ -87,11 +95,13 @@ class VerificationWorker:
         self.notify()
 
     def remove(self, session_id: str) -> None:
-        """Forget a session and free its KV cache (it may be mid-pass: the pass's result is dropped)."""
+        """Forget a session and free its KV cache. If it is in the running pass, the pass's
+        result for it is dropped and its cache freed when the pass ends."""
         handle = self.sessions.pop(session_id, None)
         if handle is not None:
             self._order.remove(session_id)
-            handle.kv.crop(0)
+            if session_id not in self._in_flight:
+                handle.kv.crop(0)
             self._update_gauges()
 
     def notify(self) -> None:
@@ -131,26 +141,48 @@ class VerificationWorker:
             return now
         return h.idle_since + self.config.idle_wait_s
 
-    def _pick(self) -> tuple[SessionHandle | None, float | None]:
+    def _pick(self) -> tuple[list[tuple[SessionHandle, VerifyTask, VerifyItem]], float | None]:
+        """The next pass's sessions, or none and when to look again (None: when woken)."""
         now = time.monotonic()
         soonest: float | None = None
-        for _ in range(len(self._order)):
-            sid = self._order[0]
-            self._order.rotate(-1)
+        ready: list[SessionHandle] = []
+        for sid in self._order:
             h = self.sessions[sid]
             at = self._ready_at(h, now)
             if at is None:
                 continue
             if at <= now:
-                return h, None
-            soonest = at if soonest is None else min(soonest, at)
-        return None, soonest
+                ready.append(h)
+            else:
+                soonest = at if soonest is None else min(soonest, at)
+        cfg = self.config
+        share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
+        batch: list[tuple[SessionHandle, VerifyTask, VerifyItem]] = []
+        longest = 0
+        for h in ready:
+            s = h.session
+            task = s.next_task(min(h.budget, share))
+            assert task is not None
+            # A copy of the prefix: drafts may arrive while the model runs.
+            item = VerifyItem(h.kv, s.tokens[: task.start], task.drafts, greedy=s.mode is VerificationMode.GREEDY)
+            width = max(longest, item.feed_length())
+            if batch and (len(batch) + 1) * width > cfg.max_batch_tokens:
+                continue  # it leads the next round
+            batch.append((h, task, item))
+            longest = width
+            if len(batch) == cfg.max_batch_sessions:
+                break
+        # Round robin: the sessions just taken go to the back of the line.
+        taken = [h.session.session_id for h, _, _ in batch]
+        for sid in taken:
+            self._order.remove(sid)
+        self._order.extend(taken)
+        return batch, soonest
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            handle, soonest = self._pick()
-            if handle is None:
+            batch, soonest = self._pick()
+            if not batch:
                 self._wake.clear()
                 timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
                 try:
@@ -158,33 +190,53 @@ class VerificationWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            s = handle.session
-            task = s.next_task(handle.budget)
-            assert task is not None
-            prefix = s.tokens[: task.start]  # a copy: drafts may arrive while the model runs
-            t0 = time.monotonic()
+            self._in_flight = {h.session.session_id for h, _, _ in batch}
+            padded_tokens = len(batch) * max(item.feed_length() for _, _, item in batch)
             try:
-                logits = await loop.run_in_executor(
-                    self._pool, self.engine.verify_logits, handle.kv, prefix, task.drafts
-                )
-            except Exception as exc:  # a failing model must not take the other sessions down
-                log.exception("session %s: verification failed", s.session_id, extra={"session": s.session_id})
-                handle.outbox.put_nowait(exc)
-                self.remove(s.session_id)
-                continue
-            elapsed = time.monotonic() - t0
-            self.costs.observe(len(task.drafts), elapsed)
+                t0 = time.monotonic()
+                results = await self._verify([item for _, _, item in batch])
+                elapsed = time.monotonic() - t0
+            finally:
+                self._in_flight = set()
+            self.costs.observe(max(len(task.drafts) for _, task, _ in batch), elapsed)
             self.metrics.verify_seconds.observe(elapsed)
-            self.metrics.verify_drafts.observe(len(task.drafts))
-            self.metrics.batch_sessions.observe(1)
-            handle.busy_s += elapsed
-            self._deliver(handle, task, logits, elapsed)
+            self.metrics.batch_sessions.observe(len(batch))
+            self.metrics.batch_tokens.observe(padded_tokens)
+            for (handle, task, _), result in zip(batch, results):
+                self.metrics.verify_drafts.observe(len(task.drafts))
+                handle.busy_s += elapsed / len(batch)
+                self._deliver(handle, task, result, elapsed)
 
-    def _deliver(self, handle: SessionHandle, task: VerifyTask, logits, elapsed: float) -> None:  # type: ignore[no-untyped-def]
+    async def _verify(self, items: list[VerifyItem]) -> list:  # type: ignore[type-arg]
+        """Each item's result, or the exception its verification raised. A failing batched
+        pass is retried one session at a time, so one bad session cannot fail the others."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._pool, self.engine.verify_batch, items)
+        except Exception as exc:
+            if len(items) == 1:
+                return [exc]
+            log.warning("a pass over %d sessions failed (%s); verifying them one by one", len(items), exc)
+        results: list = []  # type: ignore[type-arg]
+        for item in items:
+            try:
+                results.append((await loop.run_in_executor(self._pool, self.engine.verify_batch, [item]))[0])
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _deliver(self, handle: SessionHandle, task: VerifyTask, result, elapsed: float) -> None:  # type: ignore[no-untyped-def]
         s = handle.session
         if s.session_id not in self.sessions:
-            return  # the edge went away during the forward pass
-        for event in s.apply(task, logits):
+            handle.kv.crop(0)  # the edge went away during the pass
+            return
+        if isinstance(result, Exception):  # a failing model must not take the other sessions down
+            log.error("session %s: verification failed", s.session_id, exc_info=result,
+                      extra={"session": s.session_id})
+            handle.outbox.put_nowait(result)
+            self.remove(s.session_id)
+            return
+        for event in s.apply(task, result):
             if isinstance(event, Verdict):
                 event = dataclasses.replace(event, verify_ms=elapsed * 1000)
             elif isinstance(event, Done):

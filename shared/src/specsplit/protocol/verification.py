@@ -45,12 +45,15 @@ def verify(
     """Decide drafts[j] at absolute position start + j from logits row j.
 
     `logits` has len(drafts) + 1 rows: row j is the target's prediction for
-    position start + j given everything before it.
+    position start + j given everything before it. Greedy reads only each row's argmax,
+    so for it `logits` may be those argmax ids (one dimension) instead.
     """
     if logits.shape[0] != len(drafts) + 1:
         raise ValueError(f"need {len(drafts) + 1} logit rows, got {logits.shape[0]}")
+    if logits.ndim == 1 and mode is not VerificationMode.GREEDY:
+        raise ValueError(f"{mode.name.lower()} verification needs logit rows, not argmax ids")
     if mode is VerificationMode.GREEDY:
-        best = np.argmax(logits, axis=-1)
+        best = logits if logits.ndim == 1 else np.argmax(logits, axis=-1)
         n = 0
         while n < len(drafts) and drafts[n] == int(best[n]):
             n += 1

@@ -1,0 +1,122 @@
+"""Verifying many sessions in one target pass changes nobody's result.
+
+Engine level: a padded batch gives each session the logit rows it gets alone, over
+rounds of growing, cropped and fresh caches. Scheduler level: round robin under a
+session cap and a token budget starves no one. End to end: concurrent sessions of
+every mode through one real server are batched (the metric shows it) and each output
+equals the target's own greedy generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from specsplit.edge.client import EdgeConfig, generate
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol.messages import DraftMode, OpenRequest, ServerLimits
+from specsplit.protocol.server_session import ServerSession
+from specsplit.server.engine import KVState, TargetEngine, VerifyItem
+from specsplit.server.loading import load_model
+from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
+from conftest import free_port, launch_server
+from test_end_to_end import PROMPTS, reference
+from test_reliability import metric
+
+
+def test_a_padded_batch_gives_every_session_its_own_logits(tiny) -> None:
+    engine = TargetEngine(load_model(str(tiny.target_dir)))
+    rng = np.random.default_rng(0)
+    vocab = engine.vocab_size
+    worst = 0.0
+    for _ in range(6):
+        b = int(rng.integers(2, 7))
+        prefixes = [list(rng.integers(0, vocab, int(rng.integers(1, 30)))) for _ in range(b)]
+        alone, batched = [KVState() for _ in range(b)], [KVState() for _ in range(b)]
+        for _ in range(4):
+            drafts = [list(rng.integers(0, vocab, int(rng.integers(0, 7)))) for _ in range(b)]
+            greedy = [bool(rng.integers(0, 2)) for _ in range(b)]
+            want = [engine.verify_batch([VerifyItem(alone[i], prefixes[i], drafts[i])])[0] for i in range(b)]
+            got = engine.verify_batch([VerifyItem(batched[i], prefixes[i], drafts[i], greedy[i]) for i in range(b)])
+            for w, g, is_greedy in zip(want, got, greedy):
+                if is_greedy:
+                    assert g.tolist() == w.argmax(-1).tolist()
+                else:
+                    assert g.shape == w.shape
+                    worst = max(worst, float(np.abs(g - w).max()))
+            # Commit some drafts and a token, so the next round reuses, crops or extends each cache.
+            for i in range(b):
+                keep = int(rng.integers(0, len(drafts[i]) + 1))
+                prefixes[i] = prefixes[i] + drafts[i][:keep] + [int(rng.integers(0, vocab))]
+            assert [kv.tokens for kv in alone] == [kv.tokens for kv in batched]
+    # fp32 rounding differs with the batch's shape; anything masked wrongly is off by whole units.
+    assert worst < 1e-3, worst
+
+
+def _ready_worker(prompt_lengths: list[int], cfg: SchedulerConfig) -> tuple[VerificationWorker, list[str]]:
+    worker = VerificationWorker(engine=None, config=cfg)  # type: ignore[arg-type]
+    ids = []
+    for i, n in enumerate(prompt_lengths):
+        req = OpenRequest(prompt_ids=tuple(range(1, n + 1)), max_new_tokens=8, draft_mode=DraftMode.NONE)
+        session = ServerSession(req, ServerLimits(1000, 4096), f"s{i}")
+        worker.add(SessionHandle(session, asyncio.Queue(maxsize=8)))
+        ids.append(f"s{i}")
+    return worker, ids
+
+
+def test_round_robin_under_a_session_cap_starves_no_one() -> None:
+    async def main() -> None:
+        worker, ids = _ready_worker([3] * 7, SchedulerConfig(max_batch_sessions=3))
+        rounds = [[h.session.session_id for h, _, _ in worker._pick()[0]] for _ in range(math.ceil(7 / 3) * 2)]
+        assert all(len(r) == 3 for r in rounds)
+        for sid in ids:  # every session in every window of ceil(7/3) consecutive rounds
+            for i in range(len(rounds) - 2):
+                assert any(sid in r for r in rounds[i : i + 3]), (sid, rounds)
+
+    asyncio.run(main())
+
+
+def test_a_long_prefill_runs_alone_and_is_not_passed_over() -> None:
+    async def main() -> None:
+        worker, _ = _ready_worker([2, 2, 100, 2], SchedulerConfig(max_batch_tokens=64))
+        first = [h.session.session_id for h, _, _ in worker._pick()[0]]
+        second = [h.session.session_id for h, _, _ in worker._pick()[0]]
+        assert first == ["s0", "s1", "s3"]  # s2 would pad everyone to 100 tokens
+        assert second == ["s2"]  # it leads the next round, alone: over budget by itself
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def batching_server(tiny, tmp_path_factory):
+    mport = free_port()
+    log = tmp_path_factory.mktemp("batching") / "server.log"
+    with launch_server(tiny.target_dir, log, "--metrics-port", str(mport), "--max-batch-sessions", "8") as (address, _):
+        yield address, f"127.0.0.1:{mport}"
+
+
+def test_concurrent_sessions_are_batched_and_each_equals_the_target(tiny, batching_server) -> None:
+    address, metrics = batching_server
+    tok = EdgeTokenizer(tiny.draft_dir)
+    jobs = []
+    for i in range(12):
+        mode = ("async", "sync", "none")[i % 3]
+        ids = tok.encode(PROMPTS[i % len(PROMPTS)])
+        jobs.append((ids, EdgeConfig(mode=mode, max_new_tokens=10 + 7 * i, window=8, k=4)))
+
+    async def main():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(*[
+            generate(address, ids, cfg, drafter=OnnxDrafter(tiny.draft_dir) if cfg.mode != "none" else None,
+                     fingerprint=tok.fingerprint)
+            for ids, cfg in jobs
+        ])
+
+    results = asyncio.run(main())
+    for (ids, cfg), result in zip(jobs, results):
+        assert result.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens), cfg
+    passes = metric(metrics, "specsplit_verification_batch_sessions_count")
+    sessions = metric(metrics, "specsplit_verification_batch_sessions_sum")
+    assert sessions > passes, "no pass verified more than one session"
