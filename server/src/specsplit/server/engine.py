@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from specsplit.server.kvcache import cache_from_tensors, cache_tensors, crop_cache, output_cache
+from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
 from specsplit.server.loading import LoadedModel
 
 PAD_ID = 0  # fed at padded positions; masked out, so any valid id will do
@@ -35,22 +35,23 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 @dataclass
 class KVState:
-    """One session's cache and the tokens whose keys and values it holds."""
+    """One session's keys and values, as one tensor [layers, 2 (key, value), kv heads,
+    positions, head dim], and the tokens they belong to. One tensor, so that putting a
+    batch together or taking it apart is one copy per session, not one per layer."""
 
-    cache: DynamicCache | None = None
+    kv: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
 
     def crop(self, length: int) -> None:
         if length == 0:
-            self.cache = None
-        elif self.cache is not None and length < len(self.tokens):
-            crop_cache(self.cache, length)
+            self.kv = None
+        elif self.kv is not None and length < self.kv.shape[3]:
+            self.kv = self.kv[:, :, :, :length]
         del self.tokens[length:]
 
     def nbytes(self) -> int:
-        if self.cache is None:
-            return 0
-        return sum(k.nbytes + v.nbytes for k, v in cache_tensors(self.cache))
+        """Memory held, including any part a crop cut off but did not free yet."""
+        return 0 if self.kv is None else self.kv.untyped_storage().nbytes()
 
     def reusable(self, prefix: Sequence[int], drafts: Sequence[int]) -> int:
         """How many positions of the cache a pass over prefix + drafts keeps. The row for
@@ -87,10 +88,6 @@ class TargetEngine:
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 32768))
 
-    def verify_logits(self, state: KVState, prefix: Sequence[int], drafts: Sequence[int]) -> np.ndarray:
-        """Logit rows predicting positions len(prefix) .. len(prefix) + len(drafts)."""
-        return self.verify_batch([VerifyItem(state, prefix, drafts)])[0]
-
     @torch.inference_mode()
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]:
         """Per item: its len(drafts) + 1 logit rows (float32), or their argmax ids if greedy."""
@@ -101,63 +98,52 @@ class TargetEngine:
             it.kv.crop(keep)
             past.append(keep)
         feeds = [seq[keep:] for seq, keep in zip(seqs, past)]
+        b, width, longest = len(items), max(past), max(len(f) for f in feeds)
         wanted = [len(it.drafts) + 1 for it in items]
-        if len(items) == 1:
-            logits, caches = self._forward_one(feeds[0], past[0], items[0].kv.cache, wanted[0])
-        else:
-            logits, caches = self._forward_padded(feeds, past, [it.kv for it in items], wanted)
-        results = []
-        for it, seq, rows, cache in zip(items, seqs, logits, caches):
-            it.kv.cache, it.kv.tokens = cache, seq
-            results.append(rows.argmax(-1).cpu().numpy() if it.greedy else rows.float().cpu().numpy())
-        return results
-
-    def _forward_one(self, feed: list[int], past: int, cache: DynamicCache | None, wanted: int):  # type: ignore[no-untyped-def]
-        ids = torch.tensor([feed], dtype=torch.long, device=self.device)
-        positions = torch.arange(past, past + len(feed), device=self.device).unsqueeze(0)
-        # Only the last `wanted` positions need logits: skip the vocabulary projection for
-        # the rest (most of a prompt's prefill cost on CPU).
-        out = self.model(ids, None, positions, cache if cache is not None else DynamicCache(), use_cache=True,
-                         logits_to_keep=wanted)
-        return [out.logits[0]], [output_cache(out)]
-
-    def _forward_padded(self, feeds: list[list[int]], past: list[int], states: list[KVState], wanted: list[int]):  # type: ignore[no-untyped-def]
-        b, width, longest = len(feeds), max(past), max(len(f) for f in feeds)
+        # Only the positions whose logits someone needs go through the vocabulary projection
+        # (most of a prompt's prefill cost on CPU). Row i's last real position is len(feed) - 1.
+        keep = max(longest - len(f) + w for f, w in zip(feeds, wanted))
         ids = torch.full((b, longest), PAD_ID, dtype=torch.long)
-        mask = torch.zeros((b, width + longest), dtype=torch.long)
         positions = torch.zeros((b, longest), dtype=torch.long)
         for i, (feed, p) in enumerate(zip(feeds, past)):
             ids[i, : len(feed)] = torch.tensor(feed)
-            mask[i, width - p : width + len(feed)] = 1  # own cache and own new tokens
             positions[i] = torch.arange(p, p + longest)
-        cache = self._padded_cache(states, past, width)
-        keep = max(longest - len(f) + w for f, w in zip(feeds, wanted))
-        out = self.model(ids.to(self.device), mask.to(self.device), positions.to(self.device), cache,
-                         use_cache=True, logits_to_keep=keep)
+        mask = None
+        if b > 1:  # left-padded caches, right-padded feeds: hide the padding
+            mask = torch.zeros((b, width + longest), dtype=torch.long)
+            for i, (feed, p) in enumerate(zip(feeds, past)):
+                mask[i, width - p : width + len(feed)] = 1
+            mask = mask.to(self.device)
+        out = self.model(ids.to(self.device), mask, positions.to(self.device),
+                         self._batch_cache([it.kv for it in items], past, width), use_cache=True, logits_to_keep=keep)
+        # All keys and values in one tensor [layers, 2, batch, heads, positions, dim].
         layers = cache_tensors(output_cache(out))
-        logits, caches = [], []
-        for i, (feed, p, w) in enumerate(zip(feeds, past, wanted)):
-            end = len(feed) - (longest - keep)  # row i's last real position among the kept ones
-            logits.append(out.logits[i, end - w : end])
-            span = slice(width - p, width + len(feed))
-            # Copies, so a session's cache does not hold the whole batch's memory.
-            caches.append(cache_from_tensors([(k[i : i + 1, :, span].clone(), v[i : i + 1, :, span].clone())
-                                              for k, v in layers]))
-        return logits, caches
+        new = torch.stack([t for pair in layers for t in pair]).unflatten(0, (len(layers), 2))
+        spans = [(len(f) - (longest - keep) - w, len(f) - (longest - keep)) for f, w in zip(feeds, wanted)]
+        greedy_ids = out.logits.argmax(-1).cpu().numpy() if any(it.greedy for it in items) else None
+        results = []
+        for i, (it, seq, feed, p, (lo, hi)) in enumerate(zip(items, seqs, feeds, past, spans)):
+            kv = new[:, :, i, :, width - p : width + len(feed)]
+            # A copy when batched, so that a session's cache does not hold the whole batch's memory.
+            it.kv.kv, it.kv.tokens = (kv.clone() if b > 1 else kv), seq
+            if it.greedy:
+                results.append(greedy_ids[i, lo:hi])  # type: ignore[index]
+            else:
+                results.append(out.logits[i, lo:hi].float().cpu().numpy())
+        return results
 
-    def _padded_cache(self, states: list[KVState], past: list[int], width: int) -> DynamicCache:
-        """The sessions' caches left-padded with zeros to `width` positions, stacked."""
+    def _batch_cache(self, states: list[KVState], past: list[int], width: int) -> DynamicCache:
+        """The sessions' caches, left-padded with zeros to `width` positions and stacked."""
         if width == 0:
             return DynamicCache()
-        rows = [cache_tensors(s.cache) if p else None for s, p in zip(states, past)]
-        source = next(r for r in rows if r is not None)
-        layers = []
-        for layer, (k0, v0) in enumerate(source):
-            k = k0.new_zeros((len(states), k0.shape[1], width, k0.shape[3]))
-            v = v0.new_zeros((len(states), v0.shape[1], width, v0.shape[3]))
-            for i, (row, p) in enumerate(zip(rows, past)):
-                if row is not None:
-                    k[i, :, width - p :] = row[layer][0][0]
-                    v[i, :, width - p :] = row[layer][1][0]
-            layers.append((k, v))
-        return cache_from_tensors(layers)
+        source = next(s.kv for s, p in zip(states, past) if p > 0)
+        assert source is not None
+        layers, _, heads, _, dim = source.shape
+        if len(states) == 1:
+            batch = source.unsqueeze(2)
+        else:
+            batch = source.new_zeros((layers, 2, len(states), heads, width, dim))
+            for i, (s, p) in enumerate(zip(states, past)):
+                if p:
+                    batch[:, :, i, :, width - p :] = s.kv
+        return cache_from_tensors([(batch[layer, 0], batch[layer, 1]) for layer in range(layers)])

@@ -25,11 +25,3 @@ def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return [(k, v) for k, v in zip(cache.key_cache, cache.value_cache)]
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` positions. A negative argument ("drop this many") means
-    the same in transformers 4 and 5; 5 refuses a positive one."""
-    drop = cache.get_seq_length() - length
-    if drop > 0:
-        cache.crop(-drop)
