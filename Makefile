@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
 DEMO_TOKENS ?= 128
 
-.PHONY: venv test demo models bench bench-quick soak proto clean
+.PHONY: venv test demo models bench bench-quick soak loadtest proto clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,14 @@ bench-quick: $(STAMP)
 # 64 concurrent sessions for 5 minutes with tiny models: zero errors, flat server memory.
 soak: $(STAMP)
 	$(PY) bench/soak.py --sessions 64 --minutes 5
+
+# gRPC load test with the tiny models on CPU: server only, simulated edges (alpha 0.7) and real
+# ONNX edges, each at 1, 2, 4, ... concurrent sessions until one session gets less than the SLO.
+# A tiny target pass takes milliseconds, so sessions are fast here: the SLO is 20 tokens/s.
+# bench/results/loadtest-cpu.{json,md}, in about 5 minutes on 2 cores.
+loadtest: $(STAMP)
+	$(PY) bench/loadtest/run.py --name loadtest-cpu --modes none,sim,onnx --sessions 1,2,4,8,16,32,64,128 \
+		--duration 8 --max-new-tokens 64 --alpha 0.7 --slo 20
 
 clean:
 	rm -rf $(VENV)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.drafter import Drafter
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.stats import GenerationStats
 from specsplit.protocol import codec
@@ -89,7 +89,7 @@ class GenerationResult:
 class _Generation:
     def __init__(
         self,
-        drafter: OnnxDrafter | None,
+        drafter: Drafter | None,
         prompt_ids: Sequence[int],
         cfg: EdgeConfig,
         fingerprint: str,
@@ -216,6 +216,9 @@ class _Generation:
         assert edge is not None and drafter is not None
         loop = asyncio.get_running_loop()
         sync = self.cfg.mode == "sync"
+        # Drafters that choose tokens themselves (prompt lookup, the load test's simulated
+        # edge) offer next_token(trajectory) -> id; greedy sessions use it directly.
+        pick = getattr(drafter, "next_token", None) if self.proposer.mode is VerificationMode.GREEDY else None
         awaiting: int | None = None  # sync: verdict count when the last round was sent
         while edge.done is None:
             if sync and awaiting is not None:
@@ -226,14 +229,22 @@ class _Generation:
             if edge.room() <= 0:
                 await self._wait_change()
                 continue
-            trajectory = list(edge.tokens)
-            tip = edge.tip
-            started = self._now()
-            logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
-            self._mark("draft", started, self._now(), len(trajectory))
-            if edge.done is not None or edge.tip != tip:
-                continue  # a verdict changed the trajectory meanwhile: draft again from it
-            edge.push_draft(*self.proposer.propose(logits, len(trajectory)))
+            if pick is not None:
+                # A drafter that picks tokens without a model drafts inline: it fills the
+                # room at once, and what it drafted goes out as one chunk.
+                started = self._now()
+                for _ in range(min(edge.room(), self.cfg.k - edge.speculative) if sync else edge.room()):
+                    edge.push_draft(pick(edge.tokens))
+                self._mark("draft", started, self._now(), len(edge.tokens))
+            else:
+                trajectory = list(edge.tokens)
+                tip = edge.tip
+                started = self._now()
+                logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
+                self._mark("draft", started, self._now(), len(trajectory))
+                if edge.done is not None or edge.tip != tip:
+                    continue  # a verdict changed the trajectory meanwhile: draft again from it
+                edge.push_draft(*self.proposer.propose(logits, len(trajectory)))
             if sync and edge.speculative < self.cfg.k:
                 continue
             chunk = edge.next_chunk()
@@ -255,7 +266,7 @@ async def generate(
     servers: str | Sequence[str],
     prompt_ids: Sequence[int],
     cfg: EdgeConfig,
-    drafter: OnnxDrafter | None = None,
+    drafter: Drafter | None = None,
     fingerprint: str = "",
     draft_model: str = "",
     committed_ids: Sequence[int] = (),

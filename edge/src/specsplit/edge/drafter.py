@@ -3,11 +3,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnxruntime as ort
 
 from specsplit.common.export_meta import MODEL_FILE, DraftExportMeta
+
+
+class Drafter(Protocol):
+    """What the client drafts with. A drafter that picks tokens without a model may offer
+    `next_token(trajectory) -> int` instead, which greedy sessions call inline."""
+
+    def next_logits(self, trajectory: Sequence[int]) -> np.ndarray: ...
 
 
 class OnnxDrafter:

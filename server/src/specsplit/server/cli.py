@@ -25,7 +25,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, args.device)
     logging.getLogger(__name__).info("loading target %s (%s on %s)", args.target, dtype, args.device)
-    loaded = load_model(args.target, dtype=dtype, device=args.device, dummy=args.load_format == "dummy")
+    loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
     if args.cpu_linear == "onednn" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
         from specsplit.server.cpu_linear import use_onednn_linears
 
@@ -136,10 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     s.add_argument(
         "--load-format",
-        choices=["auto", "dummy"],
+        choices=["auto", "dummy", "dummy-echo"],
         default="auto",
-        help="dummy: random weights from the target's config.json (for benchmarks and load tests; the output "
-        "is meaningless text)",
+        help="for benchmarks and load tests, random weights from the target's config.json (meaningless text): "
+        "dummy as initialised; dummy-echo with every layer's output projections zeroed and the input embeddings "
+        "as output head, so that the greedy output (the last prompt token, repeated) is the same in any batch",
     )
     s.add_argument(
         "--cpu-linear",

@@ -63,12 +63,35 @@ def _split_gguf(path: str) -> tuple[str, dict]:
     return path, {}
 
 
+LOAD_FORMATS = ("auto", "dummy", "dummy-echo")
+
+
+def make_echo(model: PreTrainedModel) -> None:
+    """Zero every layer's output projections (attention and MLP) and give the output head
+    the input embeddings: each layer still computes all it did, but adds nothing, so the
+    model predicts its last input token with a wide margin. Its greedy output is then
+    known in advance and the same in any batch, in any precision: what a load test needs
+    from random weights, whose near-tied logits flip under bf16 batching."""
+    for name, module in model.named_modules():
+        if name.endswith(("o_proj", "down_proj")):
+            module.weight.data.zero_()
+            if getattr(module, "bias", None) is not None:
+                module.bias.data.zero_()
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight is not embed.weight:
+        head.weight.data.copy_(embed.weight.data)
+
+
 def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None,
-               dummy: bool = False) -> LoadedModel:
+               load_format: str = "auto") -> LoadedModel:
     """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id.
 
-    `dummy`: only the directory's config.json and tokenizer are read and the weights are
-    random, built on the device itself (a 7B model in seconds, without its 15 GB of files)."""
+    `load_format` dummy: only the directory's config.json and tokenizer are read and the
+    weights are random, built on the device itself (a 7B model in seconds, without its
+    15 GB of files); dummy-echo: the same, made to echo its input (`make_echo`)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    dummy = load_format != "auto"
     dtype = resolve_dtype(dtype, device)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -80,6 +103,8 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
         config = AutoConfig.from_pretrained(source, **extra)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        if load_format == "dummy-echo":
+            make_echo(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **extra)
     model.to(device).eval()

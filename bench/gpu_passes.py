@@ -1,0 +1,203 @@
+"""Target pass times and batching divergence of the server's engine, on random weights.
+
+Two questions the capacity report rests on:
+1. What does one verification pass cost as sessions and tokens per session grow?
+   (The engine's `verify_batch`, padding and cache copies included, at a given KV length.)
+2. Does batching change anyone's greedy output? Sessions decode greedily alone and
+   then together (lockstep autoregressive steps, and speculative passes with drafts
+   taken from the alone run with some corrupted); the report counts the sessions whose
+   tokens differ from the alone run, and where the first difference falls. In fp32 on
+   CPU none may differ; in bf16 on a GPU a batch's different kernels may flip near-ties.
+
+Runs on CPU too (`--arch tiny`), which is how its code is kept working without a GPU.
+Writes bench/results/<name>.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loadtest.machine import machine_info
+from loadtest.targets import ARCHS, write_config_target
+from specsplit.server.engine import KVState, TargetEngine, VerifyItem
+from specsplit.server.loading import load_model
+
+HERE = Path(__file__).resolve().parent
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 320}
+
+
+def build_engine(arch: str, device: str, dtype: str, work: Path) -> TargetEngine:
+    target = write_config_target(work / arch, "qwen2-1.5b" if arch == "tiny" else arch)
+    if arch == "tiny":
+        config = json.loads((target / "config.json").read_text())
+        config.update(TINY, tie_word_embeddings=False)
+        config.pop("layer_types", None)  # derived from the layer count again on load
+        (target / "config.json").write_text(json.dumps(config))
+    return TargetEngine(load_model(str(target), dtype=dtype, device=device, load_format="dummy"))
+
+
+def sync(engine: TargetEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def pass_times(engine: TargetEngine, batches: list[int], tokens: list[int], kv_len: int, repeats: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    vocab = engine.vocab_size
+    rows = []
+    for b in batches:
+        prefixes = [list(map(int, rng.integers(0, vocab, kv_len + 1))) for _ in range(b)]
+        states = [KVState() for _ in range(b)]
+        engine.verify_batch([VerifyItem(s, p, [], greedy=True) for s, p in zip(states, prefixes)])  # prefill
+        for n in tokens:
+            drafts = [list(map(int, rng.integers(0, vocab, n - 1))) for _ in range(b)]
+            items = [VerifyItem(s, p, d, greedy=True) for s, p, d in zip(states, prefixes, drafts)]
+            for _ in range(2):
+                engine.verify_batch(items)  # warm-up; each pass re-crops to kv_len and feeds n tokens
+            sync(engine)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.verify_batch(items)
+                sync(engine)
+                times.append(time.perf_counter() - t0)
+            rows.append({"sessions": b, "tokens_per_session": n, "kv_len": kv_len,
+                         "ms_median": 1000 * float(np.median(times)), "ms_min": 1000 * min(times)})
+            print(f"  batch {b:3d} x {n:2d} tokens: {rows[-1]['ms_median']:.1f} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+def decode_alone(engine: TargetEngine, prompt: list[int], steps: int) -> list[int]:
+    kv, out = KVState(), []
+    for _ in range(steps):
+        out.append(int(engine.verify_batch([VerifyItem(kv, prompt + out, [], greedy=True)])[0][0]))
+    return out
+
+
+def decode_batched(engine: TargetEngine, prompts: list[list[int]], steps: int, drafts_from: list[list[int]] | None,
+                   k: int, corrupt: float, rng: np.random.Generator) -> list[list[int]]:
+    """Greedy decoding of all sessions in shared passes: plain steps (drafts_from None), or
+    speculative passes whose k drafts come from `drafts_from` with some corrupted."""
+    states = [KVState() for _ in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    while any(len(o) < steps for o in outs):
+        live = [i for i, o in enumerate(outs) if len(o) < steps]
+        items = []
+        for i in live:
+            drafts: list[int] = []
+            if drafts_from is not None:
+                pos = len(outs[i])
+                drafts = list(drafts_from[i][pos : pos + min(k, steps - pos - 1)])
+                drafts = [t if rng.random() > corrupt else (t + 1) % engine.vocab_size for t in drafts]
+            items.append(VerifyItem(states[i], prompts[i] + outs[i], drafts, greedy=True))
+        for i, item, ids in zip(live, items, engine.verify_batch(items)):
+            n = 0
+            while n < len(item.drafts) and item.drafts[n] == int(ids[n]):
+                n += 1
+            outs[i].extend([*item.drafts[:n], int(ids[n])][: steps - len(outs[i])])
+    return outs
+
+
+def divergence(alone: list[list[int]], other: list[list[int]]) -> dict:
+    first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(alone, other)]
+    diverged = [f for f in first if f is not None]
+    return {"sessions": len(alone), "sessions_diverged": len(diverged),
+            "divergence_rate": len(diverged) / len(alone), "first_divergence_at": sorted(diverged)}
+
+
+def logit_noise(engine: TargetEngine, prompts: list[list[int]]) -> dict:
+    """How far batching moves logits, against how close the top two logits are: a greedy
+    choice flips where the first exceeds the second."""
+    alone = [engine.verify_batch([VerifyItem(KVState(), p, [])])[0][0] for p in prompts]
+    batched = [rows[0] for rows in engine.verify_batch([VerifyItem(KVState(), p, []) for p in prompts])]
+    gaps = [float(np.diff(np.sort(row)[-2:])[0]) for row in alone]
+    return {"max_abs_logit_change": float(max(np.abs(a - b).max() for a, b in zip(alone, batched))),
+            "median_top2_gap": float(np.median(gaps)), "min_top2_gap": float(min(gaps))}
+
+
+def batching_divergence(engine: TargetEngine, sessions: int, steps: int, k: int) -> dict:
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(0, engine.vocab_size, int(rng.integers(8, 64))))) for _ in range(sessions)]
+    alone = [decode_alone(engine, p, steps) for p in prompts]
+    again = [decode_alone(engine, p, steps) for p in prompts]  # control: is decoding alone repeatable?
+    lockstep = decode_batched(engine, prompts, steps, None, k, 0.0, rng)
+    speculative = decode_batched(engine, prompts, steps, alone, k, 0.3, rng)
+    return {"steps": steps, "k": k, "corrupted_drafts": 0.3, "alone_again_vs_alone": divergence(alone, again),
+            "lockstep_vs_alone": divergence(alone, lockstep), "speculative_vs_alone": divergence(alone, speculative),
+            "logits": logit_noise(engine, prompts)}
+
+
+def render(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# Engine passes and batching divergence ({report['dtype']}, random weights)", "",
+             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {torch.__version__}. Rerun: `{report['rerun']}`", ""]
+    for arch, res in report["archs"].items():
+        lines += [f"## {arch}", "", "| sessions | tokens each | KV length | pass ms (median) |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['sessions']} | {r['tokens_per_session']} | {r['kv_len']} | {r['ms_median']:.1f} |"
+                  for r in res["passes"]]
+        d = res.get("divergence")
+        if d:
+            g = d["logits"]
+            lines += ["", f"Greedy decoding of {d['lockstep_vs_alone']['sessions']} sessions for {d['steps']} tokens, "
+                      "alone vs in shared passes:", "",
+                      f"- alone, twice (control): {d['alone_again_vs_alone']['sessions_diverged']} sessions differ",
+                      f"- lockstep steps: {d['lockstep_vs_alone']['sessions_diverged']} sessions differ "
+                      f"(first differences at {d['lockstep_vs_alone']['first_divergence_at']})",
+                      f"- speculative passes (k={d['k']}, {d['corrupted_drafts']:.0%} of drafts wrong): "
+                      f"{d['speculative_vs_alone']['sessions_diverged']} sessions differ "
+                      f"(first differences at {d['speculative_vs_alone']['first_divergence_at']})",
+                      f"- batching moves a logit by up to {g['max_abs_logit_change']:.3g}; the top two logits of "
+                      f"these weights are a median {g['median_top2_gap']:.3g} apart (closest {g['min_top2_gap']:.3g})"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", action="append", choices=[*ARCHS, "tiny"], help="repeatable (default: qwen2-1.5b and qwen2-7b)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--batches", default="1,8,32,64")
+    p.add_argument("--tokens", default="1,4,8,16", help="tokens per session per pass (drafts + 1)")
+    p.add_argument("--kv-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--divergence-sessions", type=int, default=32, help="0 to skip the divergence check")
+    p.add_argument("--divergence-steps", type=int, default=48)
+    p.add_argument("--name", default="gpu-passes")
+    args = p.parse_args(argv)
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    archs = args.arch or ["qwen2-1.5b", "qwen2-7b"]
+    report: dict = {"machine": machine_info(args.device), "dtype": dtype, "device": args.device,
+                    "rerun": "python bench/gpu_passes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "archs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs:
+            print(f"{arch}: loading random weights ({dtype} on {args.device})", file=sys.stderr, flush=True)
+            engine = build_engine(arch, args.device, dtype, Path(tmp))
+            res: dict = {"passes": pass_times(engine, [int(x) for x in args.batches.split(",")],
+                                              [int(x) for x in args.tokens.split(",")], args.kv_len, args.repeats)}
+            if args.divergence_sessions:
+                print(f"{arch}: divergence check", file=sys.stderr, flush=True)
+                res["divergence"] = batching_divergence(engine, args.divergence_sessions, args.divergence_steps, 8)
+            report["archs"][arch] = res
+            del engine
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{args.name}.md").write_text(render(report))
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

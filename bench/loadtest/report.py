@@ -1,0 +1,142 @@
+"""The sweep's report: one JSON object and a Markdown page beside it."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from loadtest.sessions import LoadSettings
+from loadtest.sweep import SweepConfig, sessions_at_slo
+
+MODE_TITLES = {
+    "none": "server only (mode none)",
+    "sim": "simulated edges, async",
+    "onnx": "real ONNX Runtime edges, async",
+}
+NETWORK = "loopback, no added delay"
+
+
+def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results: dict[str, list[dict]]) -> dict:
+    """`setup`: machine, pinning, models, server_args, prompts, rerun."""
+    errors: Counter = Counter()
+    for points in results.values():
+        for p in points:
+            errors.update(p["errors"]["by_code"])
+    summary = {
+        "baseline_sessions_at_slo": sessions_at_slo(results["none"]) if "none" in results else None,
+        "split_sessions_at_slo": sessions_at_slo(results["sim"]) if "sim" in results else None,
+        "onnx_sessions_at_slo": sessions_at_slo(results["onnx"]) if "onnx" in results else None,
+        "errors": {"total": sum(errors.values()), "by_code": dict(errors)},
+        "mismatched_outputs": sum(p["mismatched_outputs"] for points in results.values() for p in points),
+    }
+    return {
+        **setup,
+        "network": NETWORK,
+        "alpha": settings.alpha,
+        "slo": cfg.slo,
+        "settings": {"modes": list(cfg.modes), "sessions": list(cfg.sessions), **asdict(settings)},
+        "results": results,
+        "summary": summary,
+    }
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _pct(p: dict | None, keys: tuple[str, ...], digits: int = 1) -> str:
+    return "–" if p is None else " / ".join(_f(p[k], digits) for k in keys)
+
+
+def _row(mode: str, p: dict) -> str:
+    s, server = p["session_tok_s"], p["server"]
+    alpha = p["acceptance"].get(mode, {}).get("alpha_measured")
+    errors = ", ".join(f"{k} {v}" for k, v in p["errors"]["by_code"].items()) or "0"
+    client = f"{p['client']['cpu_cores_busy']:.2f}" + (" (saturated)" if p["client"]["saturated"] else "")
+    return (f"| {p['sessions']} | {_f(s['min'])} | {_f(s['p50'])} | {_f(p['server_tok_s'], 0)} "
+            f"| {_pct(p['itl_ms'], ('p50', 'p99'))} | {_pct(p['verdict_latency_ms'], ('p50', 'p99', 'p99.9'))} "
+            f"| {_f(server['batch_sessions_mean'], 2)} | {_f(server['mean_pass_ms'], 2)} | {_f(server['kv_peak_mb'])} "
+            f"| {_f(alpha, 2)} | {client} | {errors} | {'yes' if p['meets_slo'] else 'no'} |")
+
+
+def _describe_models(models: dict) -> list[str]:
+    t = models["target"]
+    c = t["config"]
+    lines = [f"- target: {t['name']}: layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, "
+             f"vocab {c['vocab_size']}; {t['dtype']} on {t['device']}"]
+    if models.get("draft"):
+        d = models["draft"]
+        weights = "int8" if d["quantization"] == "int8" else "unquantized"
+        lines.append(f"- draft (onnx edges): {d['name']}: layers {d['num_layers']}, vocab {d['vocab_size']}, "
+                     f"{weights}; ONNX Runtime on CPU, one thread per edge")
+    return lines
+
+
+def render_markdown(report: dict, name: str) -> str:
+    m, pin, s, summ = report["machine"], report["pinning"], report["settings"], report["summary"]
+    gpu = f"; GPU {m['gpu']}" if "gpu" in m else ""
+    procs = ("one process holds every edge" if pin["client_procs"] == 1
+             else f"{pin['client_procs']} processes pinned round-robin to those cores, sessions dealt round-robin")
+    per_point = (f"for {s['duration_s']:g} s (generations started until then run to their end)"
+                 if s["duration_s"] is not None else f"{s['generations']} generations each")
+    lines = [
+        f"# gRPC load test: {name}",
+        "",
+        f"- machine: {m['cpu']}, {m['cores']} cores ({m['arch']}){gpu}",
+        f"- pinning: server on cores {pin['server_cores'] or 'any'} ({pin['server_threads']} torch thread(s)); "
+        f"load generator on cores {pin['client_cores'] or 'any'} ({procs})",
+        *_describe_models(report["models"]),
+        f"- server arguments: `{' '.join(report['server_args'])}`",
+        f"- network: {report['network']}",
+        f"- each point: N sessions, each on its own connection, generating back to back {per_point}; "
+        f"{s['max_new_tokens']} new tokens per generation, greedy, {len(report['prompts'])} prompts cycled, "
+        f"lookahead window {s['window']}",
+        f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
+        f"draft delay {s['draft_delay_ms']:g} ms per token",
+        f"- SLO: every session at least {report['slo']:g} tokens/s (its tokens over its generations' wall time) "
+        "and no errors; a mode's sweep stops at its first point that misses it",
+        "- session tok/s: min and median over sessions; server tok/s: tokens committed in the measured window / "
+        "its length",
+        "- ITL: gaps between consecutive committed tokens (the tokens of one verdict share its time: gap 0); "
+        "verdict latency: from sending a draft chunk to the verdict that commits its first position; "
+        "alpha: per-position acceptance measured at the edges (accepted / (accepted + rejections); – where the "
+        "server verified no drafts)",
+        "- batch: mean sessions per target pass; pass: mean target pass time; KV: peak of the server's KV-cache gauge "
+        "(sampled every 0.5 s); client CPU: load generator CPU in cores (saturated: it, not the server, may be the "
+        "limit)",
+        "",
+        "## Summary",
+        "",
+        "| mode | most sessions at the SLO |",
+        "| --- | --- |",
+    ]
+    for mode, key in (("none", "baseline_sessions_at_slo"), ("sim", "split_sessions_at_slo"),
+                      ("onnx", "onnx_sessions_at_slo")):
+        if summ[key] is not None:
+            # A mode stops at its first miss: a last point that met the SLO was the largest tried.
+            more = " (the most tried: the limit lies beyond)" if report["results"][mode][-1]["meets_slo"] else ""
+            lines.append(f"| {MODE_TITLES[mode]} | {summ[key]}{more} |")
+    by_code = ", ".join(f"{k}: {v}" for k, v in summ["errors"]["by_code"].items()) or "none"
+    lines += ["", f"Errors: {summ['errors']['total']} ({by_code}). Outputs differing from the target's greedy "
+              f"continuation: {summ['mismatched_outputs']}.", ""]
+    for mode, points in report["results"].items():
+        lines += [
+            f"## {MODE_TITLES[mode]}",
+            "",
+            "| N | session tok/s min | p50 | server tok/s | ITL p50 / p99 ms | verdict latency p50 / p99 / p99.9 ms "
+            "| batch | pass ms | peak KV MB | alpha | client CPU | errors | SLO |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *(_row(mode, p) for p in points),
+            "",
+        ]
+    lines.append(f"Rerun: `{report['rerun']}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    md_path.write_text(render_markdown(report, name))
+    return json_path, md_path

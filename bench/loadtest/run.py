@@ -1,0 +1,141 @@
+"""gRPC load test: N concurrent edge sessions against one server process, swept over N.
+
+Modes: `none` (server-only decoding, the baseline), `sim` (async edges whose drafter
+proposes the target's own greedy token with probability --alpha per position, at
+almost no cost), `onnx` (async edges with the real ONNX Runtime draft model). Each
+mode's sweep stops at its first session count where some session got less than
+--slo tokens/s (or anything failed). The server is started once, pinned to its cores,
+with Prometheus metrics on; every edge runs in this process (or --client-procs worker
+processes), pinned to the other cores. Writes bench/results/NAME.json and NAME.md.
+Exits non-zero if any generation failed or differed from the target's own output.
+
+Run from the repository root: python bench/loadtest/run.py [options]
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:
+    # Run as a script, this directory would come first on sys.path and its modules could
+    # shadow top-level ones; the benchmark scripts import from bench/ instead.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+
+from loadtest.harness import RunOptions, execute  # noqa: E402
+from loadtest.report import write_report  # noqa: E402
+from loadtest.sessions import LoadSettings  # noqa: E402
+from loadtest.sweep import MODES, SweepConfig  # noqa: E402
+from loadtest.targets import ARCHS  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+# Local paths, kept out of the reports' rerun line.
+PATH_OPTIONS = {"--target": "TARGET_DIR", "--draft": "DRAFT_DIR", "--out-dir": "OUT_DIR", "--server-log": "LOG"}
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """'1,2,4' or '0-3' (or a mix) as integers."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    return tuple(out)
+
+
+def split_cores(server: tuple[int, ...] | None,
+                client: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Server and load generator cores; by default the server gets the last core and the
+    load generator the others (no pinning on a single core)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if server is None:
+        server = (cores[-1],) if len(cores) >= 2 else ()
+    if client is None:
+        client = tuple(c for c in cores if c not in server) if server else ()
+    return server, client
+
+
+def rerun_command(argv: list[str]) -> str:
+    """This run's command line, with local paths replaced by placeholders."""
+    out = []
+    for i, arg in enumerate(argv):
+        name, eq, _ = arg.partition("=")
+        if eq and name in PATH_OPTIONS:
+            arg = f"{name}={PATH_OPTIONS[name]}"
+        elif i > 0 and argv[i - 1] in PATH_OPTIONS:
+            arg = PATH_OPTIONS[argv[i - 1]]
+        out.append(arg)
+    return shlex.join(["python", "bench/loadtest/run.py", *out])
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--target", type=Path, help="target Hugging Face directory (default: the tiny test target, "
+                        "built in a temporary directory, with its eos removed so generations run to the limit)")
+    target.add_argument("--target-config", choices=sorted(ARCHS),
+                        help="serve a target of this Qwen2.5 shape with random weights (config.json and the tiny "
+                        "tokenizer only; passes --load-format dummy-echo to the server, so that its greedy output "
+                        "does not depend on batching)")
+    p.add_argument("--draft", type=Path, help="ONNX draft export for onnx edges (default: the tiny test draft)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the server runs the target")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="the target's dtype")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for `specsplit-server serve`, repeatable (e.g. --server-arg=--max-wait-ms=50)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, from none,sim,onnx (default: all)")
+    p.add_argument("--sessions", type=int_list, default=(1, 2, 4, 8, 16, 32),
+                   help="session counts, ascending (default 1,2,4,8,16,32)")
+    p.add_argument("--slo", type=float, default=20.0, help="tokens/s every session must get (default 20)")
+    p.add_argument("--alpha", type=float, default=0.7, help="sim edges: per-position acceptance rate (default 0.7)")
+    p.add_argument("--draft-delay-ms", type=float, default=0.0, help="sim edges: drafting time per token (default 0)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--duration", type=float, default=10.0, help="seconds per point (default 10)")
+    length.add_argument("--generations", type=int, help="instead of --duration: generations per session per point")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per generation (default 64)")
+    p.add_argument("--window", type=int, default=16, help="async edges' lookahead window (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated drafters' draws")
+    p.add_argument("--server-cores", type=int_list, help="e.g. 1 or 4-7 (default: the last core)")
+    p.add_argument("--server-threads", type=int, help="torch threads of the server (default: its core count, or 1)")
+    p.add_argument("--client-cores", type=int_list, help="load generator cores (default: all but the server's)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="load generator processes; sessions are dealt round-robin, each process pinned to one "
+                   "client core (default 1: everything in this process)")
+    p.add_argument("--name", default="loadtest", help="writes NAME.json and NAME.md")
+    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where (default: bench/results)")
+    p.add_argument("--server-log", type=Path,
+                   help="keep the server's log here (default: not kept; its end is printed if the run fails)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo)
+    settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window, alpha=args.alpha,
+                            draft_delay_ms=args.draft_delay_ms, seed=args.seed,
+                            duration_s=None if args.generations else args.duration, generations=args.generations)
+    server_cores, client_cores = split_cores(args.server_cores, args.client_cores)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    opts = RunOptions(
+        target=args.target, target_config=args.target_config, draft=args.draft, device=args.device,
+        dtype=args.dtype, server_args=tuple(args.server_arg), server_cores=server_cores,
+        server_threads=args.server_threads or max(1, len(server_cores)),
+        client_cores=client_cores, client_procs=args.client_procs,
+        server_log=args.server_log, rerun=rerun_command(argv),
+    )
+    report = execute(opts, cfg, settings, log)
+    json_path, md_path = write_report(report, args.out_dir, args.name)
+    print(md_path.read_text())
+    log(f"wrote {json_path} and {md_path}")
+    summary = report["summary"]
+    return 0 if summary["errors"]["total"] == 0 and summary["mismatched_outputs"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

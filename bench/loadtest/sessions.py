@@ -1,0 +1,177 @@
+"""The load generator: concurrent edge sessions in one asyncio process.
+
+Each session generates back to back (prompts cycled) until its point's time is up or
+it has done its number of generations, on its own gRPC channel (its own connection, as
+a separate device would have). Kinds: `none` (server-only decoding), `sim` (async with
+a simulated drafter, see simdraft.py), `onnx` (async with the real ONNX Runtime drafter).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
+from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_ms, verdict_latency_ms
+from specsplit.edge.client import ConnectOptions, EdgeConfig, GenerationResult, generate
+from specsplit.edge.drafter import OnnxDrafter
+
+KINDS = {"none": "none", "sim": "async", "onnx": "async"}  # session kind -> edge client mode
+ERROR_PAUSE_S = 0.05  # after a failed generation: a refused Open must not become a busy loop
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # gRPC shares connections between channels to one address; each edge is its own device.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What each session does (the knobs of a run)."""
+
+    max_new_tokens: int = 64
+    window: int = 16  # async edges' lookahead
+    alpha: float = 0.7  # sim edges: chance per position of proposing the target's token
+    draft_delay_ms: float = 0.0  # sim edges: drafting time per token
+    seed: int = 0  # of the sim edges' draws
+    duration_s: float | None = 10.0  # generations are started until then and run to their end
+    generations: int | None = None  # instead of a duration: this many per session
+
+    def __post_init__(self) -> None:
+        if (self.duration_s is None) == (self.generations is None):
+            raise ValueError("give either a duration or a number of generations per session")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Everything the sessions of a point need (plain values: it crosses to worker processes)."""
+
+    address: str
+    prompts: tuple[tuple[int, ...], ...]
+    references: tuple[tuple[int, ...], ...]  # the target's greedy continuation of each prompt
+    fingerprint: str  # the target tokenizer's
+    vocab_size: int  # the target's: every draft id must be below it
+    settings: LoadSettings
+    draft_dir: str | None = None  # onnx sessions
+
+
+@dataclass
+class GenerationRecord:
+    tokens: int
+    elapsed_s: float
+    tokens_in_window: int  # committed before the point's time was up
+    matches_reference: bool
+    ttft_s: float | None
+    itl_ms: list[float]
+    verdict_latency_ms: list[float]
+    verdict_interval_ms: list[float]
+    acceptance: Acceptance
+    drafts_made: int
+    drafts_wasted: int
+
+
+@dataclass
+class SessionLog:
+    index: int
+    kind: str
+    records: list[GenerationRecord] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens over the time spent generating them."""
+        elapsed = sum(r.elapsed_s for r in self.records)
+        return sum(r.tokens for r in self.records) / elapsed if elapsed > 0 else 0.0
+
+
+@dataclass
+class LoadRun:
+    sessions: list[SessionLog]
+    started: float  # time.monotonic() when the sessions began
+    deadline: float | None
+    finished: float
+    cpu_s: float  # this process's CPU time over the run (all its threads)
+
+
+def _record(result: GenerationResult, reference: tuple[int, ...], started: float,
+            deadline: float | None) -> GenerationRecord:
+    cut = float("inf") if deadline is None else deadline - started
+    return GenerationRecord(
+        tokens=len(result.tokens),
+        elapsed_s=result.stats.elapsed_s,
+        tokens_in_window=sum(t <= cut for t in result.commit_times),
+        matches_reference=tuple(result.tokens) == reference,
+        ttft_s=result.stats.ttft_s,
+        itl_ms=itl_ms(result.commit_times),
+        verdict_latency_ms=verdict_latency_ms(result.timeline),
+        verdict_interval_ms=verdict_interval_ms(result.timeline),
+        acceptance=acceptance(result.timeline),
+        drafts_made=result.stats.drafts_made,
+        drafts_wasted=result.stats.drafts_wasted,
+    )
+
+
+class _Session:
+    def __init__(self, spec: LoadSpec, index: int, kind: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"session kind must be one of {sorted(KINDS)}, got {kind!r}")
+        if kind == "onnx" and spec.draft_dir is None:
+            raise ValueError("onnx sessions need a draft directory")
+        self.spec = spec
+        self.log = SessionLog(index, kind)
+        load = spec.settings
+        self.cfg = EdgeConfig(mode=KINDS[kind], window=load.window, max_new_tokens=load.max_new_tokens, timeline=True)
+        self.rng = random.Random(load.seed * 1_000_003 + index)
+        # Built before the clock starts: an ONNX session takes a while to create.
+        self.onnx = OnnxDrafter(Path(spec.draft_dir)) if spec.draft_dir and kind == "onnx" else None
+
+    def _drafter(self, prompt: int) -> OnnxDrafter | SimulatedDrafter | PacedSimulatedDrafter | None:
+        if self.log.kind == "sim":
+            s, load = self.spec, self.spec.settings
+            sim = SimulatedDrafter(len(s.prompts[prompt]), s.references[prompt], s.vocab_size, load.alpha, self.rng)
+            return PacedSimulatedDrafter(sim, load.draft_delay_ms / 1000) if load.draft_delay_ms > 0 else sim
+        return self.onnx
+
+    def _more(self, done: int, deadline: float | None) -> bool:
+        if deadline is not None:
+            return time.monotonic() < deadline
+        return done < (self.spec.settings.generations or 0)
+
+    async def run(self, deadline: float | None) -> None:
+        s = self.spec
+        async with grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS) as channel:
+            n = 0
+            while self._more(n, deadline):
+                prompt = (self.log.index + n) % len(s.prompts)
+                n += 1
+                started = time.monotonic()
+                try:
+                    result = await generate(s.address, s.prompts[prompt], self.cfg, drafter=self._drafter(prompt),
+                                            fingerprint=s.fingerprint, channel=channel,
+                                            connect=ConnectOptions(retries=0))
+                except grpc.aio.AioRpcError as exc:
+                    self.log.errors[exc.code().name] += 1
+                    await asyncio.sleep(ERROR_PAUSE_S)
+                    continue
+                except Exception as exc:  # counted, not raised: one failing session must not end the point
+                    self.log.errors[type(exc).__name__] += 1
+                    await asyncio.sleep(ERROR_PAUSE_S)
+                    continue
+                self.log.records.append(_record(result, s.references[prompt], started, deadline))
+
+
+async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]]) -> LoadRun:
+    """Run the sessions (index, kind) concurrently until the spec's duration or count is done."""
+    edges = [_Session(spec, index, kind) for index, kind in sessions]
+    cpu0 = time.process_time()
+    started = time.monotonic()
+    duration = spec.settings.duration_s
+    deadline = None if duration is None else started + duration
+    await asyncio.gather(*(e.run(deadline) for e in edges))
+    return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)

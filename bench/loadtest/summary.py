@@ -1,0 +1,94 @@
+"""What one point measured, as a JSON-ready dict: client-side speeds and latencies per
+session and message, acceptance, errors, and the server's own counters."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+
+from loadtest.scrape import Snapshot, counter_delta, histogram_delta
+from loadtest.sessions import LoadRun, LoadSpec, SessionLog
+from loadtest.timeline import Acceptance, percentiles
+
+MB = 2**20
+SATURATED = 0.9  # load generator CPU, as a share of the cores it may use, above which it is the bottleneck
+
+
+def _speeds(sessions: list[SessionLog]) -> dict:
+    values = [s.tokens_per_s for s in sessions]
+    return {"min": min(values), "p50": float(np.median(values)), "max": max(values), "values": values}
+
+
+def _pooled(sessions: list[SessionLog], attr: str) -> dict | None:
+    return percentiles([x for s in sessions for r in s.records for x in getattr(r, attr)])
+
+
+def _acceptance(sessions: list[SessionLog], kind: str, spec: LoadSpec) -> dict:
+    records = [r for s in sessions if s.kind == kind for r in s.records]
+    acc = sum((r.acceptance for r in records), Acceptance())
+    out = {
+        "alpha_measured": acc.per_token,
+        "accepted_over_proposed": acc.accepted / acc.proposed if acc.proposed else None,
+        "drafts_verified": acc.proposed,
+        "drafts_accepted": acc.accepted,
+        "rejections": acc.rejections,
+        "drafts_made": sum(r.drafts_made for r in records),
+        "drafts_wasted": sum(r.drafts_wasted for r in records),
+    }
+    return {"alpha_set": spec.settings.alpha, **out} if kind == "sim" else out
+
+
+def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float, rss_peak: float) -> dict:
+    # {} where the server lacks a histogram (batch tokens: newer servers only).
+    passes = histogram_delta(before, after, "specsplit_verification_seconds") or {}
+    batch = histogram_delta(before, after, "specsplit_verification_batch_sessions") or {}
+    batch_tokens = histogram_delta(before, after, "specsplit_verification_batch_tokens") or {}
+    drafts = histogram_delta(before, after, "specsplit_verification_drafts") or {}
+    mean_pass = passes.get("mean")
+    return {
+        "tokens_committed": counter_delta(before, after, "specsplit_tokens_committed"),
+        "passes": passes.get("count"),
+        "passes_per_s": passes["count"] / wall_s if passes and wall_s > 0 else None,
+        "mean_pass_ms": mean_pass * 1000 if mean_pass is not None else None,
+        "batch_sessions_mean": batch.get("mean"),
+        "batch_sessions_buckets": batch.get("buckets"),
+        "batch_tokens_mean": batch_tokens.get("mean"),
+        "drafts_per_verification_mean": drafts.get("mean"),
+        "kv_peak_mb": kv_peak / MB,
+        "rss_peak_mb": rss_peak / MB,
+    }
+
+
+def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, kv_peak: float, rss_peak: float,
+              client_procs: int = 1) -> dict:
+    sessions = run.sessions
+    wall = run.finished - run.started
+    # Server speed over the measured window only: the last generations run past the
+    # deadline with ever fewer sessions, which would understate the loaded throughput.
+    window = (run.deadline - run.started) if run.deadline is not None else wall
+    errors: Counter = sum((s.errors for s in sessions), Counter())
+    kinds = Counter(s.kind for s in sessions)
+    records = [r for s in sessions for r in s.records]
+    cores = min(client_procs, len(os.sched_getaffinity(0)))
+    busy = run.cpu_s / wall if wall > 0 else 0.0
+    return {
+        "kinds": dict(kinds),
+        "sessions": len(sessions),
+        "wall_s": wall,
+        "generations": len(records),
+        "tokens": sum(r.tokens for r in records),
+        "sessions_without_output": sum(not s.records for s in sessions),
+        "session_tok_s": _speeds(sessions),
+        "server_tok_s": sum(r.tokens_in_window for r in records) / window if window > 0 else 0.0,
+        "ttft_ms": percentiles([r.ttft_s * 1000 for r in records if r.ttft_s is not None]),
+        "itl_ms": _pooled(sessions, "itl_ms"),
+        "verdict_latency_ms": _pooled(sessions, "verdict_latency_ms"),
+        "verdict_interval_ms": _pooled(sessions, "verdict_interval_ms"),
+        "acceptance": {kind: _acceptance(sessions, kind, spec) for kind in kinds if kind != "none"},
+        "mismatched_outputs": sum(not r.matches_reference for r in records),
+        "errors": {"total": sum(errors.values()), "by_code": dict(errors)},
+        "server": _server(before, after, wall, kv_peak, rss_peak),
+        "client": {"procs": client_procs, "cores": cores, "cpu_cores_busy": busy,
+                   "saturated": busy >= SATURATED * cores},
+    }

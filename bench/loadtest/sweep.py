@@ -1,0 +1,94 @@
+"""The sweep: per mode, points of growing session counts until one misses the SLO."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from loadtest.point import ServerHandle, run_point
+from loadtest.prompts import PromptSet
+from loadtest.sessions import CHANNEL_OPTIONS, LoadSpec
+from loadtest.workers import ClientWorkers
+from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
+
+MODES = ("none", "sim", "onnx")  # server-only; simulated drafter at a set alpha; real ONNX drafter
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    modes: tuple[str, ...] = MODES
+    sessions: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    slo: float = 20.0  # tokens/s every session must get; a mode stops at its first point below it
+
+    def __post_init__(self) -> None:
+        unknown = set(self.modes) - set(MODES)
+        if unknown:
+            raise ValueError(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+        if not self.sessions or min(self.sessions) < 1:
+            raise ValueError("session counts must be at least 1")
+
+
+async def _server_alone(address: str, prompts: PromptSet, max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+    cfg = EdgeConfig(mode="none", max_new_tokens=max_new_tokens)
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        results = [await generate(address, ids, cfg, fingerprint=prompts.fingerprint, channel=channel,
+                                  connect=ConnectOptions(retries=0)) for ids in prompts.ids]
+    return tuple(tuple(r.tokens) for r in results)
+
+
+def warm_up(address: str, prompts: PromptSet) -> None:
+    """One short generation, discarded: the first pass of a fresh server is slow."""
+    asyncio.run(_server_alone(address, PromptSet(prompts.texts[:1], prompts.ids[:1], prompts.fingerprint),
+                              WARMUP_TOKENS))
+
+
+def reference_continuations(address: str, prompts: PromptSet, max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """The target's greedy continuation of each prompt: decoded by the server alone, which
+    the protocol makes token for token what any edge must get back."""
+    return asyncio.run(_server_alone(address, prompts, max_new_tokens))
+
+
+def meets_slo(point: dict, slo: float) -> bool:
+    """Every session got at least `slo` tokens/s and nothing failed."""
+    return point["errors"]["total"] == 0 and point["sessions_without_output"] == 0 \
+        and point["session_tok_s"]["min"] >= slo
+
+
+def sessions_at_slo(points: list[dict]) -> int:
+    """The largest session count whose point met the SLO (0: none did)."""
+    return max((p["sessions"] for p in points if p["meets_slo"]), default=0)
+
+
+def _line(mode: str, point: dict) -> str:
+    s, server = point["session_tok_s"], point["server"]
+    batch = server["batch_sessions_mean"]
+    alpha = point["acceptance"].get(mode, {}).get("alpha_measured")
+    return (f"{mode:>4} N={point['sessions']:<4} session tok/s min {s['min']:.1f} p50 {s['p50']:.1f} | "
+            f"server {point['server_tok_s']:.0f} tok/s | batch {batch if batch is None else round(batch, 2)} | "
+            + (f"alpha {alpha:.2f} | " if alpha is not None else "")
+            + f"client cpu {point['client']['cpu_cores_busy']:.2f} | errors {point['errors']['total']} | "
+            + ("meets SLO" if point["meets_slo"] else "misses SLO"))
+
+
+def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: ClientWorkers | None = None,
+          log: Callable[[str], None] = print) -> dict[str, list[dict]]:
+    """Points per mode; `spec` holds everything but the session kinds (mode) and count."""
+    results: dict[str, list[dict]] = {}
+    total = len(cfg.modes) * len(cfg.sessions)
+    done = 0
+    for mode in cfg.modes:
+        points = results[mode] = []
+        for n in sorted(cfg.sessions):
+            done += 1
+            log(f"[{done}/{total}] {mode} with {n} session(s) ...")
+            point = run_point(server, spec, [mode] * n, workers)
+            point["meets_slo"] = meets_slo(point, cfg.slo)
+            points.append(point)
+            log(_line(mode, point))
+            if not point["meets_slo"]:  # more sessions only get slower: save the time
+                done += len(cfg.sessions) - len(points)  # the rest of this mode is skipped
+                break
+    return results

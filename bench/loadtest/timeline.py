@@ -1,0 +1,81 @@
+"""Per-message latencies and acceptance counts of one generation, from the client's
+commit times and its timeline (EdgeConfig(timeline=True)).
+
+Timeline events (edge client): ("send", t, chunk_start, n_tokens) and
+("verdict", t, start, n_tokens, accepted, verify_ms, proposed); t in seconds since the
+generation started, the same clock as the commit times.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def itl_ms(commit_times: Sequence[float]) -> list[float]:
+    """Gaps between consecutive committed tokens, as the client's stats count them:
+    tokens of one verdict share its time, so a verdict of k tokens adds k - 1 zero gaps."""
+    return (np.diff(commit_times) * 1000).tolist() if len(commit_times) > 1 else []
+
+
+def _verdicts(timeline: Sequence[tuple]) -> list[tuple]:
+    return [e for e in timeline if e[0] == "verdict"]
+
+
+def verdict_latency_ms(timeline: Sequence[tuple]) -> list[float]:
+    """For each draft chunk sent: the time until the verdict that commits the chunk's
+    first position (accepting or correcting it). Chunks whose first position the
+    generation never reached (it ended first) have none."""
+    verdicts = [v for v in _verdicts(timeline) if v[3] > 0]
+    ends = [v[2] + v[3] for v in verdicts]  # increasing: each verdict commits the positions after the last
+    out = []
+    for event in timeline:
+        if event[0] != "send":
+            continue
+        _, sent, position, _ = event
+        i = bisect.bisect_right(ends, position)
+        if i < len(verdicts) and verdicts[i][2] <= position and verdicts[i][1] >= sent:
+            out.append((verdicts[i][1] - sent) * 1000)
+    return out
+
+
+def verdict_interval_ms(timeline: Sequence[tuple]) -> list[float]:
+    """Time between consecutive verdicts of the generation."""
+    times = [v[1] for v in _verdicts(timeline)]
+    return (np.diff(times) * 1000).tolist() if len(times) > 1 else []
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    accepted: int = 0  # drafts the target accepted
+    proposed: int = 0  # drafts it verified (after a rejection, the rest of the task counts too)
+    rejections: int = 0  # verifications that stopped at a wrong draft
+
+    def __add__(self, other: Acceptance) -> Acceptance:
+        return Acceptance(self.accepted + other.accepted, self.proposed + other.proposed,
+                          self.rejections + other.rejections)
+
+    @property
+    def per_token(self) -> float | None:
+        """Chance that a draft is accepted given that the drafts before it were: the
+        per-position alpha a drafter is built with (accepted / proposed is lower, since it
+        also counts the drafts after a rejection, which are never really in question)."""
+        judged = self.accepted + self.rejections
+        return self.accepted / judged if judged else None
+
+
+def acceptance(timeline: Sequence[tuple]) -> Acceptance:
+    total = Acceptance()
+    for v in _verdicts(timeline):
+        accepted, proposed = v[4], v[6]
+        total += Acceptance(accepted, proposed, int(accepted < proposed))
+    return total
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99, 99.9)) -> dict[str, float] | None:
+    if not len(values):
+        return None
+    got = np.percentile(np.asarray(values, dtype=np.float64), qs)
+    return {f"p{q:g}": float(v) for q, v in zip(qs, got)} | {"count": len(values)}

@@ -1,0 +1,60 @@
+"""Load-generator processes, for when one process cannot keep up.
+
+One asyncio process drives the sessions on about one core (the GIL); with more client
+cores, sessions are spread over worker processes, each pinned to one of them. The
+workers live for the whole sweep so that their start-up is never timed.
+"""
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+from loadtest.sessions import LoadRun, LoadSpec, run_sessions
+
+
+def _serve(conn: Connection, core: int | None) -> None:
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    while (job := conn.recv()) is not None:
+        spec, sessions = job
+        conn.send(asyncio.run(run_sessions(spec, sessions)))
+
+
+class ClientWorkers:
+    def __init__(self, procs: int, cores: Sequence[int]) -> None:
+        if procs < 2:
+            raise ValueError("worker processes are for two or more; one runs in the main process")
+        ctx = mp.get_context("spawn")  # no fork of a process holding gRPC and ONNX Runtime threads
+        self._conns: list[Connection] = []
+        self._procs = []
+        for i in range(procs):
+            parent, child = ctx.Pipe()
+            core = cores[i % len(cores)] if cores else None
+            proc = ctx.Process(target=_serve, args=(child, core), daemon=True, name=f"loadgen-{i}")
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def __len__(self) -> int:
+        return len(self._procs)
+
+    def run(self, spec: LoadSpec, sessions: list[tuple[int, str]]) -> list[LoadRun]:
+        """Blocking: deal the sessions round-robin to the workers and wait for all of them."""
+        busy = []
+        for i, conn in enumerate(self._conns):
+            part = sessions[i :: len(self._conns)]
+            if part:
+                conn.send((spec, part))
+                busy.append(conn)
+        return [conn.recv() for conn in busy]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()

@@ -1,0 +1,110 @@
+"""The load test's short form: a few sessions of every kind against a real server
+process with the tiny models, for correctness only (no timing is asserted)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from loadtest.harness import RunOptions, started, sweep_and_report
+from loadtest.point import run_point
+from loadtest.prompts import load_prompts
+from loadtest.report import write_report
+from loadtest.sessions import LoadSettings, LoadSpec
+from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
+from loadtest.sweep import SweepConfig, reference_continuations
+from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
+from specsplit.edge.tokenizer import EdgeTokenizer
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def running(tiny, tmp_path_factory):
+    """One server (metrics on) for the module, started as the load test starts it."""
+    log = tmp_path_factory.mktemp("loadtest") / "server.log"
+    opts = RunOptions(target=tiny.target_dir, draft=tiny.draft_dir, dtype="fp32", server_log=log,
+                      rerun="python bench/loadtest/run.py")
+    with started(opts, SweepConfig(sessions=(8,)), log=lambda _: None) as r:
+        yield opts, r
+
+
+@pytest.fixture(scope="module")
+def references(running):
+    _, r = running
+    return reference_continuations(r.server.address, r.prompts, MAX_NEW)
+
+
+def test_references_are_the_targets_greedy_continuations(tiny, running, references) -> None:
+    prompts = running[1].prompts
+    model = AutoModelForCausalLM.from_pretrained(str(tiny.target_dir)).eval()
+    for ids, ref in zip(prompts.ids, references):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
+        assert ref == tuple(out[0, len(ids) :].tolist())
+
+
+def test_mixed_sessions_are_lossless_and_hit_alpha(tiny, running, references) -> None:
+    server, prompts = running[1].server, running[1].prompts
+    settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=7, duration_s=None, generations=3)
+    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+                    settings, str(tiny.draft_dir))
+    point = run_point(server, spec, ["sim"] * 4 + ["onnx"] * 2 + ["none"] * 2)
+    assert point["errors"] == {"total": 0, "by_code": {}}
+    assert point["generations"] == 8 * 3 and point["sessions_without_output"] == 0
+    assert point["mismatched_outputs"] == 0  # every output is the target's greedy continuation
+    sim = point["acceptance"]["sim"]
+    assert sim["drafts_accepted"] + sim["rejections"] >= 20, sim  # enough judged drafts for the estimate
+    assert 0.3 <= sim["alpha_measured"] <= 0.95, sim
+    server_side = point["server"]
+    assert server_side["tokens_committed"] == point["tokens"]
+    assert server_side["passes"] > 0 and server_side["batch_sessions_mean"] >= 1
+    assert point["verdict_latency_ms"]["count"] > 0 and point["itl_ms"]["count"] > 0
+
+
+def test_simulated_drafter_proposes_right_token_at_alpha() -> None:
+    reference = list(range(10, 60))
+    drafter = SimulatedDrafter(3, reference, 100, 0.7, random.Random(0))
+    picks = [drafter.choose(i % 50) for i in range(4000)]
+    right = sum(p == reference[i % 50] for i, p in enumerate(picks))
+    assert 0.65 < right / 4000 < 0.75
+    assert all(0 <= p < 100 for p in picks)
+    logits = PacedSimulatedDrafter(drafter, 0.001).next_logits([0, 1, 2, 5])  # position 1 of the continuation
+    assert logits.shape == (100,) and logits.sum() == 1.0
+    assert 0 <= drafter.choose(50) < 100  # past the continuation: any valid token
+
+
+def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
+    opts, r = running
+    # SLO 0: met by any point without errors, so nothing here depends on speed.
+    cfg = SweepConfig(modes=("none", "sim", "onnx"), sessions=(1, 2), slo=0.0)
+    settings = LoadSettings(max_new_tokens=12, window=8, duration_s=None, generations=1)
+    report = sweep_and_report(r, opts, cfg, settings, log=lambda _: None)
+    json_path, md_path = write_report(report, tmp_path, "t")
+    got = json.loads(json_path.read_text())
+    for key in ("machine", "pinning", "models", "network", "alpha", "slo", "settings", "results", "summary", "rerun"):
+        assert key in got, key
+    assert got["machine"]["cores"] >= 1 and got["models"]["target"]["config"]["vocab_size"] == 320
+    summary = got["summary"]
+    assert summary["errors"] == {"total": 0, "by_code": {}} and summary["mismatched_outputs"] == 0
+    assert summary["baseline_sessions_at_slo"] == summary["split_sessions_at_slo"] == 2
+    for mode in ("none", "sim", "onnx"):
+        point = got["results"][mode][-1]
+        for key in ("session_tok_s", "server_tok_s", "itl_ms", "verdict_latency_ms", "errors", "server",
+                    "client"):
+            assert key in point, (mode, key)
+        assert {"kv_peak_mb", "batch_sessions_mean", "passes_per_s", "mean_pass_ms"} <= set(point["server"])
+    assert "| N | session tok/s min" in md_path.read_text()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_config_target_has_the_published_shape_and_no_eos(tiny, tmp_path, arch) -> None:
+    out = write_config_target(tmp_path / arch, arch)
+    config = AutoConfig.from_pretrained(str(out))
+    assert config.eos_token_id is None and config.num_hidden_layers == 28  # generations run to max_new_tokens
+    assert describe_target(out)["vocab_size"] == ARCHS[arch]["vocab_size"]
+    # The tiny ONNX draft's tokenizer: real edges can be pointed at such a target.
+    assert load_prompts(out).fingerprint == EdgeTokenizer(tiny.draft_dir).fingerprint
