@@ -206,6 +206,7 @@ class VerificationWorker:
                 self.metrics.verify_drafts.observe(len(task.drafts))
                 handle.busy_s += elapsed / len(batch)
                 self._deliver(handle, task, result, elapsed)
+            self._update_gauges()  # once per pass: it walks every session
 
     async def _verify(self, items: list[VerifyItem]) -> list:  # type: ignore[type-arg]
         """Each item's result, or the exception its verification raised. A failing batched
@@ -246,7 +247,6 @@ class VerificationWorker:
             handle.idle_since = time.monotonic()
         if s.done is not None:
             self.remove(s.session_id)
-        self._update_gauges()
 
     def _update_gauges(self) -> None:
         self.metrics.outbox_depth.set(sum(h.outbox.qsize() for h in self.sessions.values()))
