@@ -30,7 +30,16 @@ def _serve(args: argparse.Namespace) -> int:
         from specsplit.server.cpu_linear import use_onednn_linears
 
         logging.getLogger(__name__).info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
-    engine = TargetEngine(loaded)
+    if args.engine == "static":
+        from specsplit.server.static_engine import TOKEN_BUCKETS, StaticEngine
+
+        if args.max_verify_tokens >= TOKEN_BUCKETS[-1]:
+            print(f"error: the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
+                  "(--max-verify-tokens)", file=sys.stderr)
+            return 2
+        engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len)
+    else:
+        engine = TargetEngine(loaded)
     sched = SchedulerConfig(
         max_verify_tokens=args.max_verify_tokens,
         max_batch_sessions=args.max_batch_sessions,
@@ -134,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): bf16 on GPU and on CPUs with native bf16 (AVX512-BF16/AMX), else fp32",
     )
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    s.add_argument(
+        "--engine",
+        choices=["dynamic", "static"],
+        default="dynamic",
+        help="dynamic (default): a growing KV cache per session, sessions padded into each pass; static: one "
+        "preallocated KV cache with a slot per session (--max-sessions x --static-max-len positions) and, on a "
+        "GPU, CUDA graphs captured per batch shape, which removes the eager forward's launch overhead",
+    )
+    s.add_argument("--static-max-len", type=int, default=2048,
+                   help="static engine: KV positions per session (prompt + output + lookahead must fit)")
     s.add_argument(
         "--load-format",
         choices=["auto", "dummy", "dummy-echo"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -74,11 +75,30 @@ class VerifyItem:
         return len(self.prefix) + len(self.drafts) - self.kv.reusable(self.prefix, self.drafts)
 
 
+class Engine(Protocol):
+    """What the scheduler and service need of an engine (this module's, or static_engine's)."""
+
+    loaded: LoadedModel
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    def new_state(self) -> KVState: ...
+
+    def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]: ...
+
+
 class TargetEngine:
     def __init__(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
+
+    def new_state(self) -> KVState:
+        return KVState()
 
     @property
     def vocab_size(self) -> int:

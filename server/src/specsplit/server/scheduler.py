@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
-from specsplit.server.engine import KVState, TargetEngine, VerifyItem
+from specsplit.server.engine import Engine, KVState, VerifyItem
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, plan
 
@@ -77,7 +77,7 @@ class SessionHandle:
 
 
 class VerificationWorker:
-    def __init__(self, engine: TargetEngine, config: SchedulerConfig, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics or ServerMetrics()

@@ -18,7 +18,7 @@ from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
-from specsplit.server.engine import TargetEngine
+from specsplit.server.engine import Engine
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.v1 import specsplit_pb2 as pb
@@ -47,7 +47,7 @@ class ServeConfig:
     linger_s: float = 5.0  # after Done, how long to wait for the edge to half-close
 
 
-def server_limits(engine: TargetEngine, cfg: ServeConfig) -> ServerLimits:
+def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
     loaded = engine.loaded
     return ServerLimits(
         vocab_size=engine.vocab_size,
@@ -96,7 +96,8 @@ class SpecSplitService:
                 for item in out:
                     await outbox.put(item)
                 if isinstance(event, OpenRequest) and conn.session is not None and conn.session.done is None:
-                    self.worker.add(SessionHandle(conn.session, outbox, stream_task=stream_task))
+                    self.worker.add(SessionHandle(conn.session, outbox, kv=self.worker.engine.new_state(),
+                                                  stream_task=stream_task))
                     self.metrics.sessions_total.inc()
                 else:
                     self.worker.notify()
@@ -163,7 +164,7 @@ def _generic_handler(service: SpecSplitService) -> grpc.GenericRpcHandler:
 
 
 async def serve(
-    engine: TargetEngine, sched: SchedulerConfig, cfg: ServeConfig, ready: asyncio.Event | None = None
+    engine: Engine, sched: SchedulerConfig, cfg: ServeConfig, ready: asyncio.Event | None = None
 ) -> None:
     """Run until SIGTERM/SIGINT (or cancellation). Then report NOT_SERVING, refuse new
     sessions, and give open ones up to the grace period to finish."""

@@ -1,0 +1,196 @@
+"""The target with one preallocated KV cache for all sessions, and CUDA graphs on a GPU.
+
+On a GPU an eager transformers forward costs 20 to 60 ms of Python and kernel launches
+whatever the batch, several times what the GPU computes. Graph replay removes that, but
+needs fixed shapes and fixed memory: so every session owns a slot (a row) of one cache
+of `max_len` positions, its tokens at positions 0..n-1 of its row, and a pass writes
+each session's new keys and values at its own offset in its own row. A pass is padded
+to a bucket of sessions and of tokens per session; one graph is captured per bucket
+pair the first time it is needed. Rollback is free: a session's length is just where
+its next tokens will be written. Attention sees a session's own row up to each query's
+position, so padding changes nothing and results match the dynamic engine's.
+
+Without CUDA (tests, CPU servers) the same code runs eagerly.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from specsplit.server.engine import KVState, VerifyItem
+from specsplit.server.loading import LoadedModel
+
+SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def bucket(n: int, sizes: Sequence[int]) -> int:
+    return next(s for s in sizes if s >= n)
+
+
+class SlotCache:
+    """Keys and values of every slot, [layers, slots, kv heads, positions, head dim]. It
+    stands in for a transformers cache: `update` writes the pass's new keys and values
+    at (rows, columns) and returns the rows of the sessions in the pass."""
+
+    def __init__(self, model: torch.nn.Module, slots: int, max_len: int) -> None:
+        c = model.config
+        heads = c.num_key_value_heads
+        dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        p = next(model.parameters())
+        shape = (c.num_hidden_layers, slots, heads, max_len, dim)
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.rows: torch.Tensor | None = None  # [batch]: slot of each row of the pass
+        self.columns: torch.Tensor | None = None  # [batch, tokens]: where each new token goes
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):  # type: ignore[no-untyped-def]
+        rows, cols = self.rows[:, None], self.columns  # type: ignore[index]
+        self.k[layer][rows, :, cols] = key.transpose(1, 2)
+        self.v[layer][rows, :, cols] = value.transpose(1, 2)
+        return self.k[layer][self.rows], self.v[layer][self.rows]
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0  # positions and masks are always given explicitly
+
+    def bytes_per_slot(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+
+class SlotState(KVState):
+    """A session's slot; its cached tokens are positions 0..len(tokens)-1 of that row."""
+
+    def __init__(self, engine: StaticEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.slot: int | None = None
+
+    def crop(self, length: int) -> None:
+        del self.tokens[length:]
+        if length == 0 and self.slot is not None:
+            self.engine.free.append(self.slot)
+            self.slot = None
+
+    def nbytes(self) -> int:
+        return 0 if self.slot is None else self.engine.cache.bytes_per_slot()
+
+
+class StaticEngine:
+    def __init__(self, loaded: LoadedModel, slots: int, max_len: int, graphs: bool | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = next(self.model.parameters()).device
+        self.max_len = max_len
+        # One slot more than sessions: padding rows of a pass write there.
+        self.cache = SlotCache(self.model, slots + 1, max_len)
+        self.scratch = slots
+        self.free = list(range(slots - 1, -1, -1))
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, dict]] = {}
+        self._pool = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def max_context(self) -> int:
+        # The largest pass writes up to TOKEN_BUCKETS[-1] positions past a session's end.
+        return min(int(getattr(self.model.config, "max_position_embeddings", 32768)), self.max_len - TOKEN_BUCKETS[-1])
+
+    def new_state(self) -> SlotState:
+        return SlotState(self)
+
+    def _inputs(self, b: int, f: int) -> dict:
+        zeros = torch.zeros((b, f), dtype=torch.long, device=self.device)
+        return {"ids": zeros, "start": torch.zeros(b, dtype=torch.long, device=self.device),
+                "rows": torch.full((b,), self.scratch, dtype=torch.long, device=self.device)}
+
+    def _forward(self, inp: dict) -> dict:
+        """The pass, on static inputs: ids [b, f], start [b] (each row's first new position),
+        rows [b] (each row's slot)."""
+        ids, start = inp["ids"], inp["start"]
+        f = ids.shape[1]
+        positions = start[:, None] + torch.arange(f, device=ids.device)
+        # Query j of a row sees its row's positions 0..start + j.
+        keys = torch.arange(self.max_len, device=ids.device)
+        mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+        self.cache.rows, self.cache.columns = inp["rows"], positions.clamp(max=self.max_len - 1)
+        out = self.model(ids, {"full_attention": mask}, positions, self.cache, use_cache=True)
+        return {"logits": out.logits, "best": out.logits.argmax(-1)}
+
+    def _run(self, b: int, f: int, host: dict) -> dict:
+        if not self.graphs:
+            return self._forward({k: v.to(self.device) for k, v in host.items()})
+        if (b, f) not in self._captured:
+            inp = self._inputs(b, f)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the graph, as capture requires
+                    self._forward(inp)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(inp)
+            self._pool = graph.pool()  # one memory pool for all graphs: they never run at once
+            self._captured[(b, f)] = (graph, inp, out)
+        graph, inp, out = self._captured[(b, f)]
+        for k, v in host.items():
+            inp[k].copy_(v, non_blocking=True)
+        graph.replay()
+        return out
+
+    @torch.inference_mode()
+    def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]:
+        """Per item: its len(drafts) + 1 logit rows (float32), or their argmax ids if greedy."""
+        step = TOKEN_BUCKETS[-1]
+        feeds, starts = [], []
+        for it in items:
+            state = it.kv
+            assert isinstance(state, SlotState)
+            if len(it.drafts) + 1 > step:
+                raise ValueError(f"at most {step - 1} drafts per verification with the static engine")
+            seq = [*it.prefix, *it.drafts]
+            if len(seq) > self.max_context:
+                raise ValueError(f"{len(seq)} tokens do not fit a {self.max_len}-position KV slot")
+            keep = state.reusable(it.prefix, it.drafts)
+            state.crop(keep)
+            if state.slot is None:
+                if not self.free:
+                    raise RuntimeError("no free KV slot (more sessions than the server was started for)")
+                state.slot = self.free.pop()
+            feeds.append(seq[keep:])
+            starts.append(keep)
+            state.tokens = seq
+        # A feed longer than the largest token bucket (a prompt) goes in first in pieces
+        # that need no logits; the last piece of every feed, with all its logit rows, in one pass.
+        for offset in range(0, max(len(f) for f in feeds) - step, step):
+            early = [(it, s + offset, f[offset : min(offset + step, len(f) - step)])
+                     for it, s, f in zip(items, starts, feeds) if len(f) - step > offset]
+            self._pass([e[0] for e in early], [e[1] for e in early], [e[2] for e in early])
+        last = [f[-step:] for f in feeds]
+        out = self._pass(items, [s + len(f) - len(c) for s, f, c in zip(starts, feeds, last)], last)
+        best = out["best"].cpu().numpy() if any(it.greedy for it in items) else None
+        results = []
+        for i, (it, c) in enumerate(zip(items, last)):
+            lo = len(c) - (len(it.drafts) + 1)
+            if it.greedy:
+                results.append(best[i, lo : len(c)])  # type: ignore[index]
+            else:
+                results.append(out["logits"][i, lo : len(c)].float().cpu().numpy())
+        return results
+
+    def _pass(self, items: Sequence[VerifyItem], starts: list[int], chunks: list[list[int]]) -> dict:
+        b = bucket(len(items), SESSION_BUCKETS)
+        f = bucket(max(len(c) for c in chunks), TOKEN_BUCKETS)
+        ids = torch.zeros((b, f), dtype=torch.long)
+        start = torch.zeros(b, dtype=torch.long)
+        rows = torch.full((b,), self.scratch, dtype=torch.long)
+        for i, (it, s, c) in enumerate(zip(items, starts, chunks)):
+            ids[i, : len(c)] = torch.tensor(c)
+            start[i] = s
+            rows[i] = it.kv.slot  # type: ignore[attr-defined]
+        return self._run(b, f, {"ids": ids, "start": start, "rows": rows})
