@@ -26,7 +26,8 @@ import torch
 
 from loadtest.machine import machine_info
 from loadtest.targets import ARCHS, write_config_target
-from specsplit.server.engine import KVState, TargetEngine, VerifyItem
+from specsplit.server.engine import Engine, TargetEngine, VerifyItem
+from specsplit.server.static_engine import StaticEngine
 from specsplit.server.loading import load_model
 
 HERE = Path(__file__).resolve().parent
@@ -34,28 +35,29 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
         "num_key_value_heads": 2, "vocab_size": 320}
 
 
-def build_engine(arch: str, device: str, dtype: str, work: Path) -> TargetEngine:
+def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slots: int, max_len: int) -> Engine:
     target = write_config_target(work / arch, "qwen2-1.5b" if arch == "tiny" else arch)
     if arch == "tiny":
         config = json.loads((target / "config.json").read_text())
         config.update(TINY, tie_word_embeddings=False)
         config.pop("layer_types", None)  # derived from the layer count again on load
         (target / "config.json").write_text(json.dumps(config))
-    return TargetEngine(load_model(str(target), dtype=dtype, device=device, load_format="dummy"))
+    loaded = load_model(str(target), dtype=dtype, device=device, load_format="dummy")
+    return StaticEngine(loaded, slots, max_len) if kind == "static" else TargetEngine(loaded)
 
 
-def sync(engine: TargetEngine) -> None:
+def sync(engine: Engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def pass_times(engine: TargetEngine, batches: list[int], tokens: list[int], kv_len: int, repeats: int) -> list[dict]:
+def pass_times(engine: Engine, batches: list[int], tokens: list[int], kv_len: int, repeats: int) -> list[dict]:
     rng = np.random.default_rng(0)
     vocab = engine.vocab_size
     rows = []
     for b in batches:
         prefixes = [list(map(int, rng.integers(0, vocab, kv_len + 1))) for _ in range(b)]
-        states = [KVState() for _ in range(b)]
+        states = [engine.new_state() for _ in range(b)]
         engine.verify_batch([VerifyItem(s, p, [], greedy=True) for s, p in zip(states, prefixes)])  # prefill
         for n in tokens:
             drafts = [list(map(int, rng.integers(0, vocab, n - 1))) for _ in range(b)]
@@ -72,21 +74,28 @@ def pass_times(engine: TargetEngine, batches: list[int], tokens: list[int], kv_l
             rows.append({"sessions": b, "tokens_per_session": n, "kv_len": kv_len,
                          "ms_median": 1000 * float(np.median(times)), "ms_min": 1000 * min(times)})
             print(f"  batch {b:3d} x {n:2d} tokens: {rows[-1]['ms_median']:.1f} ms", file=sys.stderr, flush=True)
+        release(states)
     return rows
 
 
-def decode_alone(engine: TargetEngine, prompt: list[int], steps: int) -> list[int]:
-    kv, out = KVState(), []
+def release(states: list) -> None:  # type: ignore[type-arg]
+    for state in states:
+        state.crop(0)  # frees a static engine's slot
+
+
+def decode_alone(engine: Engine, prompt: list[int], steps: int) -> list[int]:
+    kv, out = engine.new_state(), []
     for _ in range(steps):
         out.append(int(engine.verify_batch([VerifyItem(kv, prompt + out, [], greedy=True)])[0][0]))
+    release([kv])
     return out
 
 
-def decode_batched(engine: TargetEngine, prompts: list[list[int]], steps: int, drafts_from: list[list[int]] | None,
+def decode_batched(engine: Engine, prompts: list[list[int]], steps: int, drafts_from: list[list[int]] | None,
                    k: int, corrupt: float, rng: np.random.Generator) -> list[list[int]]:
     """Greedy decoding of all sessions in shared passes: plain steps (drafts_from None), or
     speculative passes whose k drafts come from `drafts_from` with some corrupted."""
-    states = [KVState() for _ in prompts]
+    states = [engine.new_state() for _ in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     while any(len(o) < steps for o in outs):
         live = [i for i, o in enumerate(outs) if len(o) < steps]
@@ -103,6 +112,7 @@ def decode_batched(engine: TargetEngine, prompts: list[list[int]], steps: int, d
             while n < len(item.drafts) and item.drafts[n] == int(ids[n]):
                 n += 1
             outs[i].extend([*item.drafts[:n], int(ids[n])][: steps - len(outs[i])])
+    release(states)
     return outs
 
 
@@ -113,17 +123,23 @@ def divergence(alone: list[list[int]], other: list[list[int]]) -> dict:
             "divergence_rate": len(diverged) / len(alone), "first_divergence_at": sorted(diverged)}
 
 
-def logit_noise(engine: TargetEngine, prompts: list[list[int]]) -> dict:
+def logit_noise(engine: Engine, prompts: list[list[int]]) -> dict:
     """How far batching moves logits, against how close the top two logits are: a greedy
     choice flips where the first exceeds the second."""
-    alone = [engine.verify_batch([VerifyItem(KVState(), p, [])])[0][0] for p in prompts]
-    batched = [rows[0] for rows in engine.verify_batch([VerifyItem(KVState(), p, []) for p in prompts])]
+    alone = []
+    for p in prompts:
+        state = engine.new_state()
+        alone.append(engine.verify_batch([VerifyItem(state, p, [])])[0][0])
+        release([state])
+    states = [engine.new_state() for _ in prompts]
+    batched = [rows[0] for rows in engine.verify_batch([VerifyItem(s, p, []) for s, p in zip(states, prompts)])]
+    release(states)
     gaps = [float(np.diff(np.sort(row)[-2:])[0]) for row in alone]
     return {"max_abs_logit_change": float(max(np.abs(a - b).max() for a, b in zip(alone, batched))),
             "median_top2_gap": float(np.median(gaps)), "min_top2_gap": float(min(gaps))}
 
 
-def batching_divergence(engine: TargetEngine, sessions: int, steps: int, k: int) -> dict:
+def batching_divergence(engine: Engine, sessions: int, steps: int, k: int) -> dict:
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(0, engine.vocab_size, int(rng.integers(8, 64))))) for _ in range(sessions)]
     alone = [decode_alone(engine, p, steps) for p in prompts]
@@ -137,7 +153,7 @@ def batching_divergence(engine: TargetEngine, sessions: int, steps: int, k: int)
 
 def render(report: dict) -> str:
     m = report["machine"]
-    lines = [f"# Engine passes and batching divergence ({report['dtype']}, random weights)", "",
+    lines = [f"# Engine passes and batching divergence ({report['engine']} engine, {report['dtype']}, random weights)", "",
              f"Machine: {m.get('gpu') or m.get('cpu')}; torch {torch.__version__}. Rerun: `{report['rerun']}`", ""]
     for arch, res in report["archs"].items():
         lines += [f"## {arch}", "", "| sessions | tokens each | KV length | pass ms (median) |", "| --- | --- | --- | --- |"]
@@ -171,18 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--divergence-sessions", type=int, default=32, help="0 to skip the divergence check")
     p.add_argument("--divergence-steps", type=int, default=48)
-    p.add_argument("--name", default="gpu-passes")
+    p.add_argument("--engine", choices=["dynamic", "static"], default="dynamic",
+                   help="the server's --engine (static: slot cache, CUDA graphs on GPU)")
+    p.add_argument("--name", default=None, help="default: gpu-passes-ENGINE")
     args = p.parse_args(argv)
+    args.name = args.name or f"gpu-passes-{args.engine}"
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     archs = args.arch or ["qwen2-1.5b", "qwen2-7b"]
-    report: dict = {"machine": machine_info(args.device), "dtype": dtype, "device": args.device,
+    report: dict = {"machine": machine_info(args.device), "dtype": dtype, "device": args.device, "engine": args.engine,
                     "rerun": "python bench/gpu_passes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "archs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
             print(f"{arch}: loading random weights ({dtype} on {args.device})", file=sys.stderr, flush=True)
-            engine = build_engine(arch, args.device, dtype, Path(tmp))
-            res: dict = {"passes": pass_times(engine, [int(x) for x in args.batches.split(",")],
+            batches = [int(x) for x in args.batches.split(",")]
+            engine = build_engine(arch, args.device, dtype, Path(tmp), args.engine,
+                                  max(*batches, args.divergence_sessions), args.kv_len + 128)
+            res: dict = {"passes": pass_times(engine, batches,
                                               [int(x) for x in args.tokens.split(",")], args.kv_len, args.repeats)}
             if args.divergence_sessions:
                 print(f"{arch}: divergence check", file=sys.stderr, flush=True)

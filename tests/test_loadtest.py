@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from loadtest.capacity import capacity
 from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
@@ -98,6 +99,11 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
             assert key in point, (mode, key)
         assert {"kv_peak_mb", "batch_sessions_mean", "passes_per_s", "mean_pass_ms"} <= set(point["server"])
     assert "| N | session tok/s min" in md_path.read_text()
+    short = capacity(got)  # the form bench/results/capacity-gpu.json takes
+    for key in ("device", "target_config", "alpha", "slo_tokens_per_s", "baseline_sessions_at_slo",
+                "split_sessions_at_slo", "errors"):
+        assert key in short, key
+    assert short["split_sessions_at_slo"] == 2 and short["errors"]["total"] == 0
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

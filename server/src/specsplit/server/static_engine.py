@@ -31,26 +31,35 @@ def bucket(n: int, sizes: Sequence[int]) -> int:
 
 
 class SlotCache:
-    """Keys and values of every slot, [layers, slots, kv heads, positions, head dim]. It
+    """Keys and values of every slot, [layers, slots, positions, kv heads, head dim]. It
     stands in for a transformers cache: `update` writes the pass's new keys and values
-    at (rows, columns) and returns the rows of the sessions in the pass."""
+    at their (slot, position) and returns the rows of the sessions in the pass. Slot and
+    position lead, so a write is one index_copy_ over (slot x position) rows; with heads
+    before positions, PyTorch copies the layer's whole cache to scatter into it."""
 
     def __init__(self, model: torch.nn.Module, slots: int, max_len: int) -> None:
         c = model.config
         heads = c.num_key_value_heads
         dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         p = next(model.parameters())
-        shape = (c.num_hidden_layers, slots, heads, max_len, dim)
+        shape = (c.num_hidden_layers, slots, max_len, heads, dim)
+        self.max_len = max_len
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.rows: torch.Tensor | None = None  # [batch]: slot of each row of the pass
-        self.columns: torch.Tensor | None = None  # [batch, tokens]: where each new token goes
+        self.flat: torch.Tensor | None = None  # [batch * tokens]: slot * max_len + position of each new token
+
+    def place(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        self.rows = rows
+        self.flat = (rows[:, None] * self.max_len + positions).reshape(-1)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):  # type: ignore[no-untyped-def]
-        rows, cols = self.rows[:, None], self.columns  # type: ignore[index]
-        self.k[layer][rows, :, cols] = key.transpose(1, 2)
-        self.v[layer][rows, :, cols] = value.transpose(1, 2)
-        return self.k[layer][self.rows], self.v[layer][self.rows]
+        out = []
+        for store, new in ((self.k[layer], key), (self.v[layer], value)):
+            heads, dim = store.shape[-2:]
+            store.view(-1, heads, dim).index_copy_(0, self.flat, new.transpose(1, 2).reshape(-1, heads, dim))
+            out.append(store[self.rows].transpose(1, 2))  # [batch, heads, positions, dim]
+        return out[0], out[1]
 
     def get_seq_length(self, layer: int = 0) -> int:
         return 0  # positions and masks are always given explicitly
@@ -117,7 +126,7 @@ class StaticEngine:
         # Query j of a row sees its row's positions 0..start + j.
         keys = torch.arange(self.max_len, device=ids.device)
         mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        self.cache.rows, self.cache.columns = inp["rows"], positions.clamp(max=self.max_len - 1)
+        self.cache.place(inp["rows"], positions.clamp(max=self.max_len - 1))
         out = self.model(ids, {"full_attention": mask}, positions, self.cache, use_cache=True)
         return {"logits": out.logits, "best": out.logits.argmax(-1)}
 

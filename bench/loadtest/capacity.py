@@ -1,0 +1,73 @@
+"""The capacity result of a load test, in the short form the project tracks.
+
+Reads a load-test report (bench/results/NAME.json from run.py) and writes
+bench/results/capacity-<device>.json with `device`, `target_config`, `alpha`,
+`slo_tokens_per_s`, `baseline_sessions_at_slo`, `split_sessions_at_slo`, `ratio` and
+`errors`, plus a Markdown note beside it that says how the run is repeated.
+
+    python bench/loadtest/capacity.py bench/results/capacity-gpu-run.json --out bench/results/capacity-gpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def capacity(report: dict) -> dict:
+    s, m = report["summary"], report["machine"]
+    target = report["models"]["target"]
+    base, split = s["baseline_sessions_at_slo"], s["split_sessions_at_slo"]
+    return {
+        "device": m.get("gpu") or m["cpu"],
+        "target_config": target["config"],
+        "target": target["name"],
+        "dtype": target["dtype"],
+        "alpha": report["alpha"],
+        "slo_tokens_per_s": report["slo"],
+        "baseline_sessions_at_slo": base,
+        "split_sessions_at_slo": split,
+        "ratio": split / base if base else None,
+        "errors": s["errors"],
+        "mismatched_outputs": s["mismatched_outputs"],
+        "server_args": report["server_args"],
+        "full_report": report.get("name"),
+        "rerun": report["rerun"],
+    }
+
+
+def render(c: dict, source: str) -> str:
+    ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
+    return "\n".join([
+        f"# Capacity at {c['slo_tokens_per_s']:g} tokens/s per session ({c['device']})", "",
+        "| | sessions at the SLO |", "| --- | --- |",
+        f"| server only (baseline) | {c['baseline_sessions_at_slo']} |",
+        f"| split, simulated edges at alpha {c['alpha']:g} | {c['split_sessions_at_slo']} |",
+        f"| ratio | {ratio} |", "",
+        f"Errors: {c['errors']['total']}; outputs differing from the target's greedy continuation: "
+        f"{c['mismatched_outputs']}. Target: {c['target']}. Full per-point tables: `{source}` "
+        "(and its .md).", "",
+        "To rerun, on a machine with the GPU, from the repository root after `make venv` "
+        "(or with the three packages on PYTHONPATH):", "",
+        f"    {c['rerun']}",
+        f"    python bench/loadtest/capacity.py bench/results/<name>.json --out bench/results/capacity-gpu", "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("report", type=Path, help="a load-test report (JSON written by bench/loadtest/run.py)")
+    p.add_argument("--out", type=Path, required=True, help="output path without suffix: writes .json and .md")
+    args = p.parse_args(argv)
+    report = json.loads(args.report.read_text())
+    report.setdefault("name", args.report.name)
+    c = capacity(report)
+    args.out.with_suffix(".json").write_text(json.dumps(c, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(render(c, str(args.report)))
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
