@@ -1,9 +1,9 @@
 """Verifying many sessions in one target pass changes nobody's result.
 
-Engine level: a padded batch gives each session the logit rows it gets alone, over
-rounds of growing, cropped and fresh caches. Scheduler level: round robin under a
+Engine level: a batch (dynamic engine: padded caches; static engine: slots) gives each
+session the logit rows it gets alone. Scheduler level: round robin under a
 session cap and a token budget starves no one. End to end: concurrent sessions of
-every mode through one real server are batched (the metric shows it) and each output
+every mode through one real server, with either engine, are batched (the metric shows it) and each output
 equals the target's own greedy generation.
 """
 from __future__ import annotations
@@ -28,19 +28,25 @@ from test_end_to_end import PROMPTS, reference
 from test_reliability import metric
 
 
-def test_a_padded_batch_gives_every_session_its_own_logits(tiny) -> None:
-    engine = TargetEngine(load_model(str(tiny.target_dir)))
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
+    """Padded caches and masks (dynamic), or slots, per-row offsets, bucket padding and prompts
+    fed in pieces (static): every session gets the rows it gets alone from the dynamic engine,
+    over rounds of fresh, growing and cropped caches."""
+    loaded = load_model(str(tiny.target_dir))
+    reference = TargetEngine(loaded)
+    engine = StaticEngine(loaded, slots=6, max_len=160) if kind == "static" else reference
     rng = np.random.default_rng(0)
-    vocab = engine.vocab_size
+    vocab = reference.vocab_size
     worst = 0.0
     for _ in range(6):
         b = int(rng.integers(2, 7))
-        prefixes = [list(rng.integers(0, vocab, int(rng.integers(1, 30)))) for _ in range(b)]
-        alone, batched = [KVState() for _ in range(b)], [KVState() for _ in range(b)]
+        prefixes = [list(map(int, rng.integers(0, vocab, int(rng.integers(1, 80))))) for _ in range(b)]
+        alone, batched = [KVState() for _ in range(b)], [engine.new_state() for _ in range(b)]
         for _ in range(4):
-            drafts = [list(rng.integers(0, vocab, int(rng.integers(0, 7)))) for _ in range(b)]
+            drafts = [list(map(int, rng.integers(0, vocab, int(rng.integers(0, 7))))) for _ in range(b)]
             greedy = [bool(rng.integers(0, 2)) for _ in range(b)]
-            want = [engine.verify_batch([VerifyItem(alone[i], prefixes[i], drafts[i])])[0] for i in range(b)]
+            want = [reference.verify_batch([VerifyItem(alone[i], prefixes[i], drafts[i])])[0] for i in range(b)]
             got = engine.verify_batch([VerifyItem(batched[i], prefixes[i], drafts[i], greedy[i]) for i in range(b)])
             for w, g, is_greedy in zip(want, got, greedy):
                 if is_greedy:
@@ -53,6 +59,10 @@ def test_a_padded_batch_gives_every_session_its_own_logits(tiny) -> None:
                 keep = int(rng.integers(0, len(drafts[i]) + 1))
                 prefixes[i] = prefixes[i] + drafts[i][:keep] + [int(rng.integers(0, vocab))]
             assert [kv.tokens for kv in alone] == [kv.tokens for kv in batched]
+        for state in batched:
+            state.crop(0)
+        if kind == "static":
+            assert sorted(engine.free) == list(range(6))  # every slot back
     # fp32 rounding differs with the batch's shape; anything masked wrongly is off by whole units.
     assert worst < 1e-3, worst
 
@@ -123,32 +133,3 @@ def test_concurrent_sessions_are_batched_and_each_equals_the_target(tiny, batchi
     sessions = metric(metrics, "specsplit_verification_batch_sessions_sum")
     assert sessions > passes, "no pass verified more than one session"
 
-
-def test_the_static_engine_matches_the_dynamic_one(tiny) -> None:
-    """Slots, per-row offsets, bucket padding and prompts fed in pieces change no logit."""
-    loaded = load_model(str(tiny.target_dir))
-    dynamic, static = TargetEngine(loaded), StaticEngine(loaded, slots=6, max_len=160)
-    rng = np.random.default_rng(1)
-    vocab = dynamic.vocab_size
-    worst = 0.0
-    for _ in range(8):
-        b = int(rng.integers(1, 6))
-        prefixes = [list(map(int, rng.integers(0, vocab, int(rng.integers(1, 80))))) for _ in range(b)]
-        alone, slotted = [KVState() for _ in range(b)], [static.new_state() for _ in range(b)]
-        for _ in range(4):
-            drafts = [list(map(int, rng.integers(0, vocab, int(rng.integers(0, 7))))) for _ in range(b)]
-            greedy = [bool(rng.integers(0, 2)) for _ in range(b)]
-            want = [dynamic.verify_batch([VerifyItem(alone[i], prefixes[i], drafts[i])])[0] for i in range(b)]
-            got = static.verify_batch([VerifyItem(slotted[i], prefixes[i], drafts[i], greedy[i]) for i in range(b)])
-            for w, g, is_greedy in zip(want, got, greedy):
-                if is_greedy:
-                    assert g.tolist() == w.argmax(-1).tolist()
-                else:
-                    worst = max(worst, float(np.abs(g - w).max()))
-            for i in range(b):
-                keep = int(rng.integers(0, len(drafts[i]) + 1))
-                prefixes[i] = prefixes[i] + drafts[i][:keep] + [int(rng.integers(0, vocab))]
-        for state in slotted:
-            state.crop(0)
-        assert sorted(static.free) == list(range(6))  # every slot back
-    assert worst < 1e-3, worst

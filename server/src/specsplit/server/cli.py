@@ -38,6 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
                   "(--max-verify-tokens)", file=sys.stderr)
             return 2
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len)
+        logging.getLogger(__name__).info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
+                                         args.static_max_len, engine.cache.bytes_per_slot() * (args.max_sessions + 1) / 1e9)
     else:
         engine = TargetEngine(loaded)
     sched = SchedulerConfig(
@@ -148,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["dynamic", "static"],
         default="dynamic",
         help="dynamic (default): a growing KV cache per session, sessions padded into each pass; static: one "
-        "preallocated KV cache with a slot per session (--max-sessions x --static-max-len positions) and, on a "
+        "preallocated KV cache with a slot per session (--max-sessions x --static-max-len positions, allocated at "
+        "start) and, on a "
         "GPU, CUDA graphs captured per batch shape, which removes the eager forward's launch overhead",
     )
     s.add_argument("--static-max-len", type=int, default=2048,

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from transformers import AttentionInterface
 
 from specsplit.server.engine import KVState, VerifyItem
 from specsplit.server.loading import LoadedModel
@@ -68,6 +69,26 @@ class SlotCache:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
 
+GQA_ATTENTION = "specsplit_gqa_sdpa"
+
+
+def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0, **kwargs):  # type: ignore[no-untyped-def]
+    """Attention for grouped-query models that never copies keys and values per query head.
+
+    transformers' SDPA path, given a mask, repeats every key/value head for its query heads:
+    for a slot cache that is a copy of every slot's whole row per layer, most of a batched
+    pass's GPU time. Here the query heads sharing a key/value head are stacked along the
+    query axis instead (the mask repeated to match), which computes the same attention."""
+    b, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    q = query.reshape(b, kv_heads, group * q_len, dim)
+    mask = attention_mask.repeat(1, 1, group, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
 class SlotState(KVState):
     """A session's slot; its cached tokens are positions 0..len(tokens)-1 of that row."""
 
@@ -97,6 +118,7 @@ class StaticEngine:
         self.scratch = slots
         self.free = list(range(slots - 1, -1, -1))
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        AttentionInterface.register(GQA_ATTENTION, grouped_sdpa)
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, dict]] = {}
         self._pool = None
 
@@ -127,7 +149,13 @@ class StaticEngine:
         keys = torch.arange(self.max_len, device=ids.device)
         mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
         self.cache.place(inp["rows"], positions.clamp(max=self.max_len - 1))
-        out = self.model(ids, {"full_attention": mask}, positions, self.cache, use_cache=True)
+        # Grouped attention for this engine's passes only: the model object stays as loaded.
+        config = self.model.config
+        loaded_attention, config._attn_implementation = config._attn_implementation, GQA_ATTENTION
+        try:
+            out = self.model(ids, {"full_attention": mask}, positions, self.cache, use_cache=True)
+        finally:
+            config._attn_implementation = loaded_attention
         return {"logits": out.logits, "best": out.logits.argmax(-1)}
 
     def _run(self, b: int, f: int, host: dict) -> dict:
