@@ -19,24 +19,30 @@ def _serve(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
+    from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine
+
+    if args.engine == "static" and (args.max_verify_tokens >= TOKEN_BUCKETS[-1]
+                                    or args.max_batch_sessions > SESSION_BUCKETS[-1]):
+        print(f"error: the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
+              f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions)",
+              file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     from specsplit.server.loading import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
     logging.getLogger(__name__).info("loading target %s (%s on %s)", args.target, dtype, args.device)
-    loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
+    try:
+        loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
+    except OSError as exc:  # a path that does not exist, a hub id that cannot be fetched
+        print(f"error: cannot load the target {args.target}: {exc}", file=sys.stderr)
+        return 2
     if args.cpu_linear == "onednn" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
         from specsplit.server.cpu_linear import use_onednn_linears
 
         logging.getLogger(__name__).info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
     if args.engine == "static":
-        from specsplit.server.static_engine import TOKEN_BUCKETS, StaticEngine
-
-        if args.max_verify_tokens >= TOKEN_BUCKETS[-1]:
-            print(f"error: the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
-                  "(--max-verify-tokens)", file=sys.stderr)
-            return 2
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len)
         logging.getLogger(__name__).info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
                                          args.static_max_len, engine.cache.bytes_per_slot() * (args.max_sessions + 1) / 1e9)

@@ -58,6 +58,8 @@ def _split_gguf(path: str) -> tuple[str, dict]:
         if not p.is_file():
             raise FileNotFoundError(f"GGUF file {p} does not exist")
         return str(p.parent), {"gguf_file": p.name}
+    if not p.exists() and path.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"{p} does not exist")  # not a hub id either
     if p.exists() and not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} is neither a GGUF file nor a Hugging Face model directory (no config.json)")
     return path, {}
