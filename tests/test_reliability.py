@@ -6,6 +6,8 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -300,3 +302,16 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
     lines = [_json.loads(l) for l in log.read_text().splitlines() if l.startswith("{")]
     done = [l for l in lines if "done" in l["msg"]]
     assert done and done[0]["session"] and done[0]["level"] == "info"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target", "/no/such/model"], "/no/such/model does not exist"),
+        (["--target", "/no/such/model", "--engine", "static", "--max-verify-tokens", "40"], "at most 31 drafts"),
+    ],
+)
+def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
+    proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
