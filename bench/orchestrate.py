@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -20,6 +21,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 BIN = Path(sys.executable).parent
+
+
+def machine() -> dict:
+    """The CPU a benchmark ran on, for its report."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "machine": platform.machine(),
+            "python": platform.python_version(), "native_bf16": "avx512_bf16" in text or "amx_bf16" in text}
 
 
 def free_port() -> int:

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import time
 from pathlib import Path
 
 from netem_proxy import LinkConfig, NetemProxy
-from orchestrate import pin, run_edge, running_server
+from orchestrate import machine, pin, run_edge, running_server
 from report import render_markdown, summarize
 
 from specsplit.server import models
@@ -56,13 +55,6 @@ def run_script(script: str, args: list[str], core: int) -> list[dict]:
     if proc.returncode != 0:
         raise RuntimeError(f"{script} failed: {proc.stderr[-2000:]}")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
-def machine() -> dict:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((l.split(":", 1)[1].strip() for l in flags.splitlines() if l.startswith("model name")), "")
-    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "machine": platform.machine(),
-            "python": platform.python_version(), "native_bf16": "avx512_bf16" in flags or "amx_bf16" in flags}
 
 
 def main(argv: list[str] | None = None) -> int:

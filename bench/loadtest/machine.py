@@ -1,11 +1,10 @@
 """What the load test ran on, for the report."""
 from __future__ import annotations
 
-import os
-import platform
 import subprocess
 import sys
-from pathlib import Path
+
+from orchestrate import machine
 
 
 def gpu_name() -> str:
@@ -19,11 +18,8 @@ def gpu_name() -> str:
 
 
 def machine_info(device: str) -> dict:
-    cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    info = {"cpu": model or platform.processor(), "cores": os.cpu_count(), "arch": platform.machine(),
-            "python": platform.python_version(), "device": device}
+    m = machine()
+    info = {"cpu": m["cpu"], "cores": m["cores"], "arch": m["machine"], "python": m["python"], "device": device}
     if device == "cuda":
         info["gpu"] = gpu_name()
     return info
