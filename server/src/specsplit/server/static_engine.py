@@ -184,7 +184,7 @@ class StaticEngine:
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]:
         """Per item: its len(drafts) + 1 logit rows (float32), or their argmax ids if greedy."""
         step = TOKEN_BUCKETS[-1]
-        feeds, starts = [], []
+        seqs, feeds, starts = [], [], []
         for it in items:
             state = it.kv
             assert isinstance(state, SlotState)
@@ -199,9 +199,9 @@ class StaticEngine:
                 if not self.free:
                     raise RuntimeError("no free KV slot (more sessions than the server was started for)")
                 state.slot = self.free.pop()
+            seqs.append(seq)
             feeds.append(seq[keep:])
             starts.append(keep)
-            state.tokens = seq
         # A feed longer than the largest token bucket (a prompt) goes in first in pieces
         # that need no logits; the last piece of every feed, with all its logit rows, in one pass.
         for offset in range(0, max(len(f) for f in feeds) - step, step):
@@ -212,7 +212,8 @@ class StaticEngine:
         out = self._pass(items, [s + len(f) - len(c) for s, f, c in zip(starts, feeds, last)], last)
         best = out["best"].cpu().numpy() if any(it.greedy for it in items) else None
         results = []
-        for i, (it, c) in enumerate(zip(items, last)):
+        for i, (it, seq, c) in enumerate(zip(items, seqs, last)):
+            it.kv.tokens = seq  # only now does the slot hold them: a failed pass leaves it cropped
             lo = len(c) - (len(it.drafts) + 1)
             if it.greedy:
                 results.append(best[i, lo : len(c)])  # type: ignore[index]
