@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -70,8 +71,10 @@ class VerifyItem:
     drafts: Sequence[int]
     greedy: bool = False  # only the argmax of each row is needed
 
+    @cached_property
     def feed_length(self) -> int:
-        """Tokens this item puts through the model (the part of it the cache lacks)."""
+        """Tokens this item puts through the model (the part of it the cache lacks); read
+        before the pass, while the cache is as the item found it."""
         return len(self.prefix) + len(self.drafts) - self.kv.reusable(self.prefix, self.drafts)
 
 

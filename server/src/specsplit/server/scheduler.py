@@ -165,7 +165,7 @@ class VerificationWorker:
             assert task is not None
             # A copy of the prefix: drafts may arrive while the model runs.
             item = VerifyItem(h.kv, s.tokens[: task.start], task.drafts, greedy=s.mode is VerificationMode.GREEDY)
-            width = max(longest, item.feed_length())
+            width = max(longest, item.feed_length)
             if batch and (len(batch) + 1) * width > cfg.max_batch_tokens:
                 continue  # it leads the next round
             batch.append((h, task, item))
@@ -191,7 +191,7 @@ class VerificationWorker:
                     pass
                 continue
             self._in_flight = {h.session.session_id for h, _, _ in batch}
-            padded_tokens = len(batch) * max(item.feed_length() for _, _, item in batch)
+            padded_tokens = len(batch) * max(item.feed_length for _, _, item in batch)
             try:
                 t0 = time.monotonic()
                 results = await self._verify([item for _, _, item in batch])
