@@ -174,9 +174,9 @@ class VerificationWorker:
                 break
         # Round robin: the sessions just taken go to the back of the line.
         taken = [h.session.session_id for h, _, _ in batch]
-        for sid in taken:
-            self._order.remove(sid)
-        self._order.extend(taken)
+        if taken:
+            chosen = set(taken)
+            self._order = deque([*(sid for sid in self._order if sid not in chosen), *taken])
         return batch, soonest
 
     async def run(self) -> None:
