@@ -1,0 +1,67 @@
+"""A benchmark's results, saved after every run so that a long sweep can be stopped and resumed.
+
+The full sweep takes hours on a small machine. Its JSON and Markdown are rewritten after each
+measured run (marked incomplete until the last one), so a stopped sweep loses at most the run in
+progress and `--resume` measures only what is missing. Every (prompt, RTT) group of modes still
+runs side by side in one server's lifetime, so per-prompt ratios stay like for like; each
+invocation's machine and wall time are recorded.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RunKey = tuple[str, float | None, str]  # (mode, rtt_ms or None for network-free modes, prompt id)
+
+
+class SettingsMismatch(ValueError):
+    """--resume asked for a result measured under other settings."""
+
+
+def run_key(run: dict) -> RunKey:
+    return run["mode"], run["rtt_ms"], run["prompt"]
+
+
+class RunLog:
+    """The runs measured so far and the settings they were measured under."""
+
+    def __init__(self, path: Path, header: dict, render: Callable[[dict], str], summarize: Callable[[list], list],
+                 resume: bool) -> None:
+        self.path, self.render, self.summarize = path, render, summarize
+        self.started = time.time()
+        self.result = {**header, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
+                       "complete": False, "invocations": [], "runs": []}
+        if resume and path.is_file():
+            previous = json.loads(path.read_text())
+            for field in ("settings", "network", "models"):
+                if previous.get(field) != header.get(field):
+                    raise SettingsMismatch(
+                        f"{path} was measured with other {field} ({previous.get(field)!r}, now {header.get(field)!r}):"
+                        " rerun without --resume, or with the same options")
+            self.result.update(date=previous["date"], invocations=previous.get("invocations", []),
+                               runs=previous["runs"])
+        self.result["invocations"].append({"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
+                                           "machine": header.get("machine"), "wall_s": 0.0})
+        self.done = {run_key(r) for r in self.result["runs"]}
+
+    def missing(self, keys: list[RunKey]) -> list[RunKey]:
+        return [k for k in keys if k not in self.done]
+
+    def add(self, run: dict) -> None:
+        """Record a run; one measured again replaces the earlier measurement."""
+        self.result["runs"] = [r for r in self.result["runs"] if run_key(r) != run_key(run)] + [run]
+        self.done.add(run_key(run))
+        self.save()
+
+    def save(self, complete: bool = False) -> None:
+        self.result["invocations"][-1]["wall_s"] = time.time() - self.started
+        self.result["wall_s"] = sum(i["wall_s"] for i in self.result["invocations"])
+        self.result["complete"] = complete
+        self.result["summary"] = self.summarize(self.result["runs"])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.result, indent=1) + "\n")
+        tmp.replace(self.path)  # a stop mid-write leaves the previous result whole
+        self.path.with_suffix(".md").write_text(self.render(self.result))

@@ -1,0 +1,72 @@
+"""A stopped benchmark sweep keeps what it measured and resumes with only the missing runs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from report import render_markdown, summarize
+from runlog import RunLog, SettingsMismatch
+
+HEADER = {
+    "name": "t",
+    "machine": {"cpu": "test cpu", "cores": 2, "machine": "x86_64", "python": "3", "native_bf16": False},
+    "pinning": "server on core 1; edge on core 0",
+    "models": {"target": "t", "target_dtype": "fp32", "draft": "d", "draft_quantization": "int8"},
+    "network": {"rtt_ms": [50], "rate_mbit": None, "how": "proxy"},
+    "settings": {"max_new_tokens": 4, "window": 16, "sync_k": [8], "temperature": 0, "server_args": "",
+                 "prompts": ["a", "b"], "hf_assisted": False},
+}
+
+
+def _run(mode: str, prompt: str, tps: float, ids: list[int]) -> dict:
+    return {"mode": mode, "rtt_ms": 50, "prompt": prompt, "tokens": len(ids), "tokens_per_s": tps,
+            "elapsed_s": len(ids) / tps, "token_ids": ids}
+
+
+def _log(path, resume: bool, header: dict = HEADER) -> RunLog:
+    return RunLog(path, header, render_markdown, summarize, resume)
+
+
+def test_a_stopped_sweep_resumes_with_only_the_missing_runs(tmp_path):
+    path = tmp_path / "t.json"
+    keys = [(m, 50, p) for p in ("a", "b") for m in ("none", "sync-8", "async")]
+    first = _log(path, resume=False)
+    assert first.missing(keys) == keys
+    first.add(_run("none", "a", 1.0, [1, 2, 3, 4]))
+    first.add(_run("sync-8", "a", 2.0, [1, 2, 3, 4]))
+    # The process stops here: the saved result is whole, marked incomplete, with a report beside it.
+    saved = json.loads(path.read_text())
+    assert saved["complete"] is False and len(saved["runs"]) == 2
+    assert "| 50 | sync-8 | 2.00 | 2.00x" in path.with_suffix(".md").read_text()
+
+    second = _log(path, resume=True)
+    assert second.missing(keys) == keys[2:]
+    second.add(_run("async", "a", 3.0, [1, 2, 3, 5]))
+    second.save(complete=True)
+    final = json.loads(path.read_text())
+    assert final["complete"] is True and len(final["invocations"]) == 2
+    by_mode = {s["mode"]: s for s in final["summary"]}
+    assert by_mode["async"]["speedup_vs_none"] == pytest.approx(3.0)
+    assert by_mode["async"]["identical"] is False  # compared with the first invocation's `none`
+
+
+def test_without_resume_the_earlier_runs_are_dropped(tmp_path):
+    path = tmp_path / "t.json"
+    _log(path, resume=False).add(_run("none", "a", 1.0, [1]))
+    assert _log(path, resume=False).missing([("none", 50, "a")]) == [("none", 50, "a")]
+
+
+def test_a_run_measured_again_replaces_the_earlier_one(tmp_path):
+    log = _log(tmp_path / "t.json", resume=False)
+    log.add(_run("none", "a", 1.0, [1]))
+    log.add(_run("none", "a", 2.0, [1]))
+    assert [r["tokens_per_s"] for r in log.result["runs"]] == [2.0]
+
+
+def test_resume_under_other_settings_is_refused(tmp_path):
+    path = tmp_path / "t.json"
+    _log(path, resume=False).add(_run("none", "a", 1.0, [1]))
+    other = {**HEADER, "settings": {**HEADER["settings"], "max_new_tokens": 8}}
+    with pytest.raises(SettingsMismatch, match="max_new_tokens"):
+        _log(path, resume=True, header=other)
