@@ -17,12 +17,13 @@ import pytest
 from specsplit.edge.client import EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
-from specsplit.protocol.messages import DraftMode, OpenRequest, ServerLimits
+from specsplit.protocol.hashing import HashedSequence
+from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem
 from specsplit.server.loading import load_model
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
-from specsplit.server.static_engine import StaticEngine
+from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket
 from conftest import free_port, launch_server
 from test_end_to_end import PROMPTS, reference
 from test_reliability import metric
@@ -97,6 +98,41 @@ def test_a_long_prefill_runs_alone_and_is_not_passed_over() -> None:
         second = [h.session.session_id for h, _, _ in worker._pick()[0]]
         assert first == ["s0", "s1", "s3"]  # s2 would pad everyone to 100 tokens
         assert second == ["s2"]  # it leads the next round, alone: over budget by itself
+
+    asyncio.run(main())
+
+
+class _BucketShapes:
+    """Pads as the static engine does; no model."""
+
+    def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
+        return bucket(sessions, SESSION_BUCKETS), bucket(min(longest, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
+
+
+def _drafting_worker(n_sessions: int, drafts: int, fixed_s: float, per_token_s: float) -> VerificationWorker:
+    """Sessions holding `drafts` candidates each past a 4-token prompt, and pass times
+    as if measured: a fixed part plus a part per padded token."""
+    cfg = SchedulerConfig(max_verify_tokens=24, max_batch_sessions=n_sessions, max_batch_tokens=8192, idle_policy="ar")
+    worker = VerificationWorker(engine=_BucketShapes(), config=cfg)  # type: ignore[arg-type]
+    prompt = (1, 2, 3, 4)
+    for i in range(n_sessions):
+        session = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=64), ServerLimits(1000, 4096), f"s{i}")
+        session.receive_draft(DraftChunk(4, tuple(range(10, 10 + drafts)), HashedSequence(prompt).hash_before(4)))
+        worker.add(SessionHandle(session, asyncio.Queue(maxsize=8)))
+    for padded in (4, 256, 1024, 4096):
+        worker.pass_costs.observe(padded, fixed_s + per_token_s * padded)
+    return worker
+
+
+def test_a_compute_bound_batch_verifies_fewer_drafts_per_session() -> None:
+    async def main() -> None:
+        # 64 x (4 + 8) tokens pad to 64 x 16; cut to 4 drafts each, 64 x 8 commit more per second.
+        batch, _ = _drafting_worker(64, 8, 0.007, 5e-5)._pick()
+        assert len(batch) == 64 and {len(task.drafts) for _, task, _ in batch} == {4}
+        assert {item.feed_length for _, _, item in batch} == {8}
+        # Where a pass costs the same whatever it carries, every draft is verified.
+        batch, _ = _drafting_worker(64, 8, 0.02, 0.0)._pick()
+        assert {len(task.drafts) for _, task, _ in batch} == {8}
 
     asyncio.run(main())
 

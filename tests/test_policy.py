@@ -4,7 +4,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, expected_tokens, plan
+from specsplit.server.policy import (
+    PassCostModel,
+    acceptance_estimate,
+    choose_drafts,
+    choose_width,
+    expected_tokens,
+    plan,
+)
 
 
 def cpu_like_costs() -> PassCostModel:
@@ -63,3 +70,38 @@ def test_plan_waits_for_drafts_on_their_way_only_when_it_pays() -> None:
     assert wait == 0  # nothing is coming: act now
     n, wait = plan(20, 24, 0.95, costs, draft_rate=20.0, max_wait_s=0.5)
     assert wait == 0 and n >= 16  # plenty in hand
+
+
+def _linear_costs(fixed: float, per_token: float) -> PassCostModel:
+    """Pass time by padded tokens: a fixed part plus a part per token."""
+    m = PassCostModel()
+    for p in (1, 64, 1024, 8192):
+        m.observe(p, fixed + per_token * p)
+    return m
+
+
+def _buckets(w: int) -> int:
+    return next(b for b in (1, 2, 4, 8, 16, 32) if b >= w)
+
+
+def test_a_compute_bound_batch_is_cut_and_a_launch_bound_one_is_not() -> None:
+    rows = [(1, 8, 0.68)] * 128  # 128 sessions, each offering 8 drafts after its one committed token
+    assert choose_width(rows, lambda w: 128 * _buckets(w), _linear_costs(0.007, 0.0)) == 9  # flat: take all
+    cut = choose_width(rows, lambda w: 128 * _buckets(w), _linear_costs(0.007, 0.00005))
+    assert cut in (2, 4)  # 16 padded tokens each for ~2.9 committed is the worst choice here
+
+
+def test_one_long_feed_does_not_pad_the_whole_batch() -> None:
+    rows = [(1, 15, 0.68)] + [(1, 1, 0.68)] * 63
+    assert choose_width(rows, lambda w: 64 * _buckets(w), _linear_costs(0.005, 0.0001)) == 2
+
+
+def test_without_a_cost_curve_nothing_is_cut() -> None:
+    assert choose_width([(1, 8, 0.68)] * 4, lambda w: 4 * w, PassCostModel()) == 9
+
+
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 24), st.floats(0.0, 1.0)), min_size=1, max_size=40),
+       st.floats(0.0, 0.01), st.floats(0.0, 1e-3))
+def test_the_width_never_cuts_into_what_a_session_must_feed(rows, fixed, per_token) -> None:
+    w = choose_width(rows, lambda w: len(rows) * w, _linear_costs(fixed + 1e-4, per_token))
+    assert max(f for f, _, _ in rows) <= w <= max(f + n for f, n, _ in rows)

@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=512,
         help="token budget of one target pass, padding included (sessions x longest feed); when more sessions "
-        "are ready, each verifies at most its share of drafts, and a longer prefill runs alone",
+        "are ready, each verifies at most its share of drafts, and a longer prefill runs alone; within it, a "
+        "batch's feeds are cut to the width that commits the most tokens per second of measured pass time",
     )
     s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")

@@ -91,6 +91,10 @@ class Engine(Protocol):
 
     def new_state(self) -> KVState: ...
 
+    def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
+        """(rows, tokens per row) a pass over `sessions` feeds of at most `longest` tokens computes."""
+        ...
+
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]: ...
 
 
@@ -102,6 +106,9 @@ class TargetEngine:
 
     def new_state(self) -> KVState:
         return KVState()
+
+    def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
+        return sessions, longest  # right-padded to the longest feed, no more
 
     @property
     def vocab_size(self) -> int:

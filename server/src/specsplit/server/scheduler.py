@@ -10,13 +10,16 @@ outbox is full (its edge is not reading) is skipped rather than waited for, so i
 slow the others, and is ended once it has stayed full for `stalled_edge_s`. How many
 drafts a verification takes, and whether an asynchronous session should first wait for
 drafts on their way, is the policy's call (`policy.py`); when many sessions are ready,
-each gets at most its fair share of the token budget.
+each gets at most its fair share of the token budget, and since every feed is padded to
+the batch's longest, the feeds are cut to the width that commits the most tokens per
+second of measured pass time (`policy.choose_width`).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +29,7 @@ from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMo
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import Engine, KVState, VerifyItem
 from specsplit.server.metrics import ServerMetrics
-from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, plan
+from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, choose_width, plan
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,8 @@ class VerificationWorker:
         self._wake = asyncio.Event()
         # One thread: the model is used by one verification at a time.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
-        self.costs = PassCostModel()
+        self.costs = PassCostModel()  # pass time by the most drafts a session put in
+        self.pass_costs = PassCostModel()  # pass time by padded tokens (rows x feed width, as the engine pads)
 
     def add(self, handle: SessionHandle) -> None:
         self.sessions[handle.session.session_id] = handle
@@ -172,12 +176,30 @@ class VerificationWorker:
             longest = width
             if len(batch) == cfg.max_batch_sessions:
                 break
+        if cfg.adaptive and len(batch) > 1:
+            batch = self._cut_to_width(batch)
         # Round robin: the sessions just taken go to the back of the line.
         taken = [h.session.session_id for h, _, _ in batch]
         if taken:
             chosen = set(taken)
             self._order = deque([*(sid for sid in self._order if sid not in chosen), *taken])
         return batch, soonest
+
+    def _cut_to_width(self, batch: list[tuple[SessionHandle, VerifyTask, VerifyItem]]
+                      ) -> list[tuple[SessionHandle, VerifyTask, VerifyItem]]:
+        """Trim the sessions' drafts to the feed width that yields the most tokens per second
+        for this batch (policy.choose_width): a few long feeds must not pad everyone."""
+        rows = [(item.feed_length - len(task.drafts), len(task.drafts),
+                 acceptance_estimate(h.session.drafts_accepted, h.session.rejections)) for h, task, item in batch]
+        width = choose_width(rows, lambda w: math.prod(self.engine.padded_shape(len(batch), w)), self.pass_costs)
+        cut = []
+        for (h, task, item), (floor, drafts, _) in zip(batch, rows):
+            if drafts > width - floor:
+                task = h.session.next_task(width - floor)
+                assert task is not None
+                item = VerifyItem(h.kv, item.prefix, task.drafts, greedy=item.greedy)
+            cut.append((h, task, item))
+        return cut
 
     async def run(self) -> None:
         while True:
@@ -191,7 +213,7 @@ class VerificationWorker:
                     pass
                 continue
             self._in_flight = {h.session.session_id for h, _, _ in batch}
-            padded_tokens = len(batch) * max(item.feed_length for _, _, item in batch)
+            padded_tokens = math.prod(self.engine.padded_shape(len(batch), max(i.feed_length for _, _, i in batch)))
             try:
                 t0 = time.monotonic()
                 results = await self._verify([item for _, _, item in batch])
@@ -199,6 +221,7 @@ class VerificationWorker:
             finally:
                 self._in_flight = set()
             self.costs.observe(max(len(task.drafts) for _, task, _ in batch), elapsed)
+            self.pass_costs.observe(padded_tokens, elapsed)
             self.metrics.verify_seconds.observe(elapsed)
             self.metrics.batch_sessions.observe(len(batch))
             self.metrics.batch_tokens.observe(padded_tokens)
