@@ -59,6 +59,15 @@ def run_script(script: str, args: list[str], core: int) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def async_window(window: str) -> list[str]:
+    """The edge's lookahead options for the benchmark's --window."""
+    if window == "auto":
+        return ["--adaptive-window", "--window", "32"]
+    if not window.isdigit() or int(window) < 1:
+        raise SystemExit(f"error: --window takes a positive number or auto, not {window!r}")
+    return ["--window", window]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--name", default="full")
@@ -69,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
     # 8, not the edge's default 16: on one box the drafter shares the memory bus with the target,
     # and drafts past what a verification takes only slow it (1.97 vs 1.75 tok/s on code-quicksort).
-    p.add_argument("--window", type=int, default=8, help="async lookahead window")
+    p.add_argument("--window", default="8",
+                   help="async lookahead window, or auto: sized from the acceptance seen (the edge's --adaptive-window, "
+                   "at most 32)")
     p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     p.add_argument("--server-args", default="", help="extra arguments for specsplit-server serve")
@@ -77,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the runs already in <out>/<name>.json (same settings) and measure only the missing ones")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
+    async_args = async_window(args.window)  # a bad --window fails before any model loads
 
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, {EDGE_CORE})  # the driver and the proxy stay off the server's core
@@ -91,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                    "draft": str(pair.draft_dir.name), "draft_quantization": "int8"},
         "network": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit or None,
                     "how": "user-space TCP proxy adding rtt/2 one-way delay in each direction"},
-        "settings": {"max_new_tokens": args.max_new_tokens, "window": args.window, "sync_k": args.sync_k,
+        "settings": {"max_new_tokens": args.max_new_tokens, "window": int(args.window) if args.window.isdigit() else args.window, "sync_k": args.sync_k,
                      "temperature": 0, "server_args": args.server_args, "prompts": [pr["id"] for pr in prompts],
                      "hf_assisted": not args.no_hf},
     }
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     modes = [("none", "none", []), *[(f"sync-{k}", "sync", ["--k", str(k)]) for k in args.sync_k],
-             ("async", "async", ["--window", str(args.window), "--timeline"])]
+             ("async", "async", [*async_args, "--timeline"])]
     anchors = ["draft", *([] if args.no_hf else ["hf-assisted"])]
     todo = log.missing([(a, None, pr["id"]) for a in anchors for pr in prompts]
                        + [(m, rtt, pr["id"]) for rtt in args.rtt_ms for pr in prompts for m, _, _ in modes])

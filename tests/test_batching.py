@@ -153,7 +153,7 @@ def test_concurrent_sessions_are_batched_and_each_equals_the_target(tiny, batchi
     for i in range(12):
         mode = ("async", "sync", "none")[i % 3]
         ids = tok.encode(PROMPTS[i % len(PROMPTS)])
-        jobs.append((ids, EdgeConfig(mode=mode, max_new_tokens=10 + 7 * i, window=8, k=4)))
+        jobs.append((ids, EdgeConfig(mode=mode, max_new_tokens=10 + 7 * i, window=8, k=4, adaptive_window=i % 2 == 0)))
 
     async def main():  # type: ignore[no-untyped-def]
         return await asyncio.gather(*[

@@ -46,6 +46,7 @@ async def _generate(args: argparse.Namespace) -> int:
     cfg = EdgeConfig(
         mode=args.mode,
         window=args.window,
+        adaptive_window=args.adaptive_window,
         k=args.k,
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampled verification: match (default with temperature > 0) or sparse-q")
     g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")
     g.add_argument("--window", type=int, default=16, help="async: drafts allowed ahead of the committed point")
+    g.add_argument("--adaptive-window", action="store_true",
+                   help="async: draft ahead as far as the acceptance seen so far makes worthwhile (two expected "
+                   "runs of accepted drafts, at least 4), at most --window")
     g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
     g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specsplit.edge.drafter import Drafter
+from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.stats import GenerationStats
 from specsplit.protocol import codec
@@ -61,7 +62,8 @@ class ConnectOptions:
 @dataclass(frozen=True)
 class EdgeConfig:
     mode: str = "async"
-    window: int = 16  # async: how far ahead of the committed point to draft
+    window: int = 16  # async: how far ahead of the committed point to draft (with adaptive_window: at most)
+    adaptive_window: bool = False  # async: size the lookahead from the acceptance seen so far (lookahead.py)
     k: int = 4  # sync: drafts per round
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
@@ -125,6 +127,8 @@ class _Generation:
         self.edge: EdgeSession | None = None
         self._changed = asyncio.Event()
         self._verdicts = 0
+        self._rejections = 0  # verdicts that stopped short of the drafts they verified
+        self._max_window = cfg.window
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self.stall_timeout_s: float | None = None
         self._outgoing: asyncio.Queue = asyncio.Queue()  # holds at most a window of drafts
@@ -152,6 +156,11 @@ class _Generation:
         self.stats.bytes_down += msg.ByteSize() + GRPC_FRAME_BYTES
         return codec.server_from_pb(msg)
 
+    def _lookahead(self) -> int:
+        if not self.cfg.adaptive_window:
+            return self._max_window
+        return adaptive_window(self.stats.drafts_accepted, self._rejections, self._max_window)
+
     def _now(self) -> float:
         return time.perf_counter() - self._t0
 
@@ -166,7 +175,8 @@ class _Generation:
         opened = await self._read_one(call)
         if not isinstance(opened, Opened):
             raise ConnectionError(f"expected Opened first, got {type(opened).__name__}")
-        window = self.cfg.k if self.cfg.mode == "sync" else min(self.cfg.window, opened.max_lookahead)
+        self._max_window = min(self.cfg.window, opened.max_lookahead)
+        window = self.cfg.k if self.cfg.mode == "sync" else self._lookahead()
         self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
         drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop(call))
         try:
@@ -195,6 +205,9 @@ class _Generation:
                 edge.apply_verdict(event)
                 self._verdicts += 1
                 self.stats.add_verdict(event, now)
+                self._rejections += event.accepted < event.proposed
+                if self.cfg.mode == "async":
+                    edge.window = self._lookahead()
                 self.commit_times.extend([now] * len(event.tokens))
                 self._mark("verdict", now, event.start, len(event.tokens), event.accepted, event.verify_ms, event.proposed)
                 if self.on_commit is not None:
