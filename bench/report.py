@@ -112,18 +112,22 @@ def render_markdown(result: dict) -> str:
         f"bandwidth cap {result['network']['rate_mbit'] or 'none'}",
         f"- greedy, {s['max_new_tokens']} new tokens, prompts: {', '.join(s['prompts'])}; async window {s['window']}; "
         f"server args: `{s['server_args'] or 'defaults'}`",
-        f"- wall time of the run: {result['wall_s'] / 60:.1f} min",
+        f"- wall time of the run: {result['wall_s'] / 60:.1f} min"
+        + (f" over {len(result['invocations'])} invocations" if len(result.get("invocations", [])) > 1 else ""),
+        *([] if result.get("complete", True) else [
+            f"- **incomplete**: {len(result['runs'])} runs measured so far; the missing ones are measured by the same "
+            "command with `--resume`"]),
         "",
         "Means over the prompt set; speedup is the mean of per-prompt ratios to `none` at the same RTT. "
         "ITL is the gap between consecutive committed tokens (0 within one verdict).",
         "",
-        "| RTT ms | mode | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | accepted/verif | wasted | verifs "
+        "| RTT ms | mode | prompts | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | accepted/verif | wasted | verifs "
         "| server idle | B up/tok | B down/tok | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["summary"]:
         lines.append(
-            f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {_fmt(r['tokens_per_s'])} "
+            f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {r['prompts']} | {_fmt(r['tokens_per_s'])} "
             f"| {_fmt(r['speedup_vs_none'])}x | {_fmt(r['ttft_ms'], '.0f')} "
             f"| {_fmt(r['itl_p50_ms'], '.0f')}/{_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['acceptance_rate'], '.0%')} "
             f"| {_fmt(r['mean_accepted'])} | {r['drafts_wasted']} | {r['verifications']} "

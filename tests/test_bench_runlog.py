@@ -38,7 +38,7 @@ def test_a_stopped_sweep_resumes_with_only_the_missing_runs(tmp_path):
     # The process stops here: the saved result is whole, marked incomplete, with a report beside it.
     saved = json.loads(path.read_text())
     assert saved["complete"] is False and len(saved["runs"]) == 2
-    assert "| 50 | sync-8 | 2.00 | 2.00x" in path.with_suffix(".md").read_text()
+    assert "| 50 | sync-8 | 1 | 2.00 | 2.00x" in path.with_suffix(".md").read_text()
 
     second = _log(path, resume=True)
     assert second.missing(keys) == keys[2:]
