@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [("none", "none", []), *[(f"sync-{k}", "sync", ["--k", str(k)]) for k in args.sync_k],
              ("async", "async", [*async_args, "--timeline"])]
     anchors = ["draft", *([] if args.no_hf else ["hf-assisted"])]
-    todo = log.missing([(a, None, pr["id"]) for a in anchors for pr in prompts]
-                       + [(m, rtt, pr["id"]) for rtt in args.rtt_ms for pr in prompts for m, _, _ in modes])
+    todo = set(log.missing([(a, None, pr["id"]) for a in anchors for pr in prompts]
+                           + [(m, rtt, pr["id"]) for rtt in args.rtt_ms for pr in prompts for m, _, _ in modes]))
     print(f"{len(todo)} runs to measure ({len(log.done)} already in {log.path})", flush=True)
     progress = tqdm(total=len(todo), unit="run", desc=args.name)
     n = str(args.max_new_tokens)
@@ -126,20 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         progress.write(f"  {mode:>11} rtt={rtt} {prompt_id}: {stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tok/s")
         progress.update()
 
-    def anchor(mode: str, script: str, args_: list[str], core: int) -> None:
+    def anchor(mode: str, title: str, script: str, script_args, core: int) -> None:  # type: ignore[no-untyped-def]
+        """Measure the prompts still missing for a network-free mode; script_args is called
+        only then (the HF anchor needs the GGUF draft, checked on disk by models.pull)."""
         wanted = [pr for pr in prompts if (mode, None, pr["id"]) in todo]
-        if wanted:
-            for pr, r in zip(wanted, run_script(script, [*args_, "--max-new-tokens", n, *(w["text"] for w in wanted)],
-                                                core)):
-                record(mode, None, pr["id"], r)
+        if not wanted:
+            return
+        progress.write(f"== {title}")
+        texts = [w["text"] for w in wanted]
+        for pr, r in zip(wanted, run_script(script, [*script_args(), "--max-new-tokens", n, *texts], core)):
+            record(mode, None, pr["id"], r)
 
-    progress.write("== draft alone (ONNX int8, one core, one thread)")
-    anchor("draft", "draft_alone.py", ["--draft", str(pair.draft_dir)], EDGE_CORE)
-    if not args.no_hf:
-        progress.write("== Hugging Face assisted generation (both models fp32, one process, one core)")
-        ggufs = models.pull()
-        anchor("hf-assisted", "hf_assisted.py", ["--target", str(pair.target_dir), "--draft", str(ggufs["draft"])],
-               SERVER_CORE)
+    anchor("draft", "draft alone (ONNX int8, one core, one thread)", "draft_alone.py",
+           lambda: ["--draft", str(pair.draft_dir)], EDGE_CORE)
+    anchor("hf-assisted", "Hugging Face assisted generation (both models fp32, one process, one core)",
+           "hf_assisted.py", lambda: ["--target", str(pair.target_dir), "--draft", str(models.pull()["draft"])],
+           SERVER_CORE)
 
     server_log = Path(args.out) / f"{args.name}-server.log"
     if any(rtt is not None for _, rtt, _ in todo):

@@ -4,9 +4,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from specsplit.common.acceptance import acceptance_estimate
 from specsplit.server.policy import (
     PassCostModel,
-    acceptance_estimate,
     choose_drafts,
     choose_width,
     expected_tokens,

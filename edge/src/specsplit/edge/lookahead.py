@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import math
 
+from specsplit.common.acceptance import acceptance_estimate
+
 MIN_WINDOW = 4
-PRIOR_ACCEPTED, PRIOR_REJECTED = 4.0, 1.0  # the server's prior: 0.8, worth five observations
 
 
 def adaptive_window(accepted: int, rejections: int, max_window: int) -> int:
     """The lookahead for an edge whose verdicts so far accepted `accepted` drafts and
     rejected at `rejections` positions, between MIN_WINDOW (or max_window, if smaller)
     and max_window."""
-    alpha = (accepted + PRIOR_ACCEPTED) / (accepted + rejections + PRIOR_ACCEPTED + PRIOR_REJECTED)
+    alpha = acceptance_estimate(accepted, rejections)
     run = alpha / (1.0 - alpha) if alpha < 1.0 else float(max_window)
     return max(min(MIN_WINDOW, max_window), min(max_window, math.ceil(2 * (run + 1) - 1e-9)))

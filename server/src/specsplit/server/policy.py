@@ -14,20 +14,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-PRIOR_ACCEPTED, PRIOR_REJECTED = 4.0, 1.0  # a prior acceptance of 0.8, worth five observations
-
 
 def expected_tokens(n: int, alpha: float) -> float:
     """Mean tokens committed by verifying n drafts: the accepted prefix plus one."""
     if alpha >= 1.0:
         return n + 1.0
     return (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
-
-
-def acceptance_estimate(accepted: int, rejections: int) -> float:
-    """Per-draft acceptance under a geometric model: each verification shows its accepted
-    drafts as successes and, if it stopped early, one failure."""
-    return (accepted + PRIOR_ACCEPTED) / (accepted + rejections + PRIOR_ACCEPTED + PRIOR_REJECTED)
 
 
 class PassCostModel:

@@ -25,11 +25,12 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from specsplit.common.acceptance import acceptance_estimate
 from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import Engine, KVState, VerifyItem
 from specsplit.server.metrics import ServerMetrics
-from specsplit.server.policy import PassCostModel, acceptance_estimate, choose_drafts, choose_width, plan
+from specsplit.server.policy import PassCostModel, choose_drafts, choose_width, plan
 
 log = logging.getLogger(__name__)
 
