@@ -137,6 +137,21 @@ def test_a_compute_bound_batch_verifies_fewer_drafts_per_session() -> None:
     asyncio.run(main())
 
 
+def test_a_session_whose_drafts_were_poor_still_verifies_some_now_and_then() -> None:
+    """Without exploration the policy would step autoregressively for good: the acceptance
+    estimate moves only when drafts are verified."""
+    async def main() -> None:
+        worker = _drafting_worker(1, 8, 0.0, 0.0)
+        worker.costs.observe(0, 0.4)
+        worker.costs.observe(8, 1.0)  # CPU-like: 8 drafts cost 2.5 steps
+        session = next(iter(worker.sessions.values())).session
+        session.drafts_accepted, session.rejections = 0, 40
+        taken = [len(worker._pick()[0][0][1].drafts) for _ in range(6)]
+        assert taken == [0, 0, 0, 0, 4, 0]  # 4: the best size at the prior acceptance of 0.8
+
+    asyncio.run(main())
+
+
 @pytest.fixture(scope="module", params=["dynamic", "static"])
 def batching_server(request, tiny, tmp_path_factory):
     mport = free_port()

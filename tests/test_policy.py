@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from specsplit.common.acceptance import acceptance_estimate
 from specsplit.server.policy import (
+    Explorer,
     PassCostModel,
     choose_drafts,
     choose_width,
@@ -105,3 +106,42 @@ def test_without_a_cost_curve_nothing_is_cut() -> None:
 def test_the_width_never_cuts_into_what_a_session_must_feed(rows, fixed, per_token) -> None:
     w = choose_width(rows, lambda w: len(rows) * w, _linear_costs(fixed + 1e-4, per_token))
     assert max(f for f, _, _ in rows) <= w <= max(f + n for f, n, _ in rows)
+
+
+def test_a_session_the_policy_gave_up_on_verifies_drafts_now_and_then() -> None:
+    e = Explorer(base_patience=4, max_patience=16, patience=4)
+    taken = []
+    for _ in range(40):
+        n = e.adjust(0, lambda: 8)  # the policy always declines the 8 drafts on offer
+        e.record(n, 8)
+        taken.append(n)
+    explored = [i for i, n in enumerate(taken) if n]
+    assert explored == [4, 13, 30]  # after 4, then 8, then 16 declined passes
+    # Once the policy itself verifies drafts again, the patience starts over.
+    e.record(e.adjust(3, lambda: 8), 8)
+    assert e.patience == 4 and e.declined == 0
+
+
+def test_no_exploration_without_drafts_on_offer() -> None:
+    e = Explorer()
+    for _ in range(20):
+        e.record(e.adjust(0, lambda: 0), 0)  # nothing offered: a plain step declines nothing
+    assert e.declined == 0 and e.adjust(0, lambda: 5) == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), max_size=300))
+def test_exploration_is_rare_and_never_overrides_a_choice(passes) -> None:
+    """Never overrides a verification the policy chose; at least `base_patience` declined
+    passes before each exploration; and never more than `max_patience` declines in a row."""
+    e = Explorer(base_patience=4, max_patience=32, patience=4)
+    declined_run = 0
+    for chosen, offered in passes:
+        chosen = min(chosen, offered)
+        n = e.adjust(chosen, lambda: offered)
+        if chosen:
+            assert n == chosen
+        elif n:
+            assert declined_run >= 4
+        e.record(n, offered)
+        declined_run = declined_run + 1 if (offered and not n) else (declined_run if not offered else 0)
+        assert declined_run <= 32

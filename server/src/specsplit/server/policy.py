@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -116,3 +117,42 @@ def choose_width(rows: Sequence[tuple[int, int, float]], padded: Callable[[int],
         return float(((1.0 - alphas ** (taken + 1)) / (1.0 - alphas)).sum()) / costs.cost(padded(w))
 
     return max(widths, key=rate)
+
+
+@dataclass
+class Explorer:
+    """Keeps one session's acceptance estimate alive.
+
+    The estimate moves only when drafts are verified. A session whose early drafts were
+    poor can fall to where an autoregressive step beats any verification; from then on it
+    verifies no draft, so it never sees that the draft has started predicting well (code
+    after a prose preamble, say): the benchmark's code-sql prompt stepped 64 times in a
+    row. So after `patience` passes in a row that declined the drafts on offer, one pass
+    verifies what a fresh session would (`probe`). An exploration that does not win the
+    policy back doubles the patience (up to `max_patience`), so a truly poor draft costs
+    ever less; any verification the policy chooses itself resets it."""
+
+    base_patience: int = 4
+    max_patience: int = 64
+    patience: int = 4
+    declined: int = 0  # passes in a row that verified none of the drafts on offer
+    exploring: bool = False  # the planned verification is an exploration
+
+    def adjust(self, chosen: int, probe: Callable[[], int]) -> int:
+        """The drafts to verify: the policy's `chosen`, or when it is time to explore,
+        `probe()` (what a session at the prior acceptance would take of those on offer)."""
+        if chosen or self.declined < self.patience:
+            self.exploring = False
+            return chosen
+        n = probe()
+        self.exploring = n > 0
+        return n
+
+    def record(self, taken: int, offered: int) -> None:
+        """Account for a verification that took `taken` of the `offered` drafts."""
+        if taken:
+            self.declined = 0
+            self.patience = min(self.max_patience, 2 * self.patience) if self.exploring else self.base_patience
+        elif offered:
+            self.declined += 1
+        self.exploring = False

@@ -30,7 +30,7 @@ from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMo
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import Engine, KVState, VerifyItem
 from specsplit.server.metrics import ServerMetrics
-from specsplit.server.policy import PassCostModel, choose_drafts, choose_width, plan
+from specsplit.server.policy import Explorer, PassCostModel, choose_drafts, choose_width, plan
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class SessionHandle:
     full_since: float | None = None  # when the outbox last filled up
     budget: int = 0  # drafts the next verification takes, as planned
     arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
+    explorer: Explorer = field(default_factory=Explorer)  # verifies drafts now and then when the policy declines them
 
     def draft_rate(self, now: float) -> float:
         """Drafts per second lately received from the edge."""
@@ -139,12 +140,18 @@ class VerificationWorker:
         alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
         if self.config.adaptive and self.config.idle_policy == "adaptive":
             h.budget, wait = plan(available, limit, alpha, self.costs, h.draft_rate(now), self.config.max_wait_s)
+            if wait == 0.0:
+                h.budget = self._explore(h, h.budget, available, limit)
             return now + wait
         if self.config.adaptive:
-            h.budget = choose_drafts(available, limit, alpha, self.costs)
+            h.budget = self._explore(h, choose_drafts(available, limit, alpha, self.costs), available, limit)
         if available or self.config.idle_policy == "ar":
             return now
         return h.idle_since + self.config.idle_wait_s
+
+    def _explore(self, h: SessionHandle, chosen: int, available: int, limit: int) -> int:
+        """`chosen`, or now and then what a fresh session would verify (policy.Explorer)."""
+        return h.explorer.adjust(chosen, lambda: choose_drafts(available, limit, acceptance_estimate(0, 0), self.costs))
 
     def _pick(self) -> tuple[list[tuple[SessionHandle, VerifyTask, VerifyItem]], float | None]:
         """The next pass's sessions, or none and when to look again (None: when woken)."""
@@ -179,6 +186,8 @@ class VerificationWorker:
                 break
         if cfg.adaptive and len(batch) > 1:
             batch = self._cut_to_width(batch)
+        for h, task, _ in batch:
+            h.explorer.record(len(task.drafts), len(h.session.candidates))
         # Round robin: the sessions just taken go to the back of the line.
         taken = [h.session.session_id for h, _, _ in batch]
         if taken:
