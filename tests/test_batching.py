@@ -23,7 +23,7 @@ from specsplit.protocol.server_session import ServerSession
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem
 from specsplit.server.loading import load_model
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
-from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket
+from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, pass_shapes
 from conftest import free_port, launch_server
 from test_end_to_end import PROMPTS, reference
 from test_reliability import metric
@@ -135,6 +135,17 @@ def test_a_compute_bound_batch_verifies_fewer_drafts_per_session() -> None:
         assert {len(task.drafts) for _, task, _ in batch} == {8}
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("max_sessions, max_tokens", [(512, 4096), (300, 1000), (64, 512), (8, 16), (1, 1)])
+def test_graphs_captured_at_start_cover_every_pass_the_scheduler_can_make(max_sessions, max_tokens) -> None:
+    """A shape missed at start would be captured mid-run, holding up every session in it;
+    one the limits rule out would cost start-up time and graph memory for nothing."""
+    shapes = set(pass_shapes(max_sessions, max_tokens))
+    engine = _BucketShapes()
+    needed = {engine.padded_shape(n, w) for n in range(1, max_sessions + 1) for w in range(1, TOKEN_BUCKETS[-1] + 1)
+              if n == 1 or n * w <= max_tokens}
+    assert shapes == needed
 
 
 def test_a_session_whose_drafts_were_poor_still_verifies_some_now_and_then() -> None:

@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 from pathlib import Path
 
 
@@ -43,9 +44,16 @@ def _serve(args: argparse.Namespace) -> int:
 
         logging.getLogger(__name__).info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
     if args.engine == "static":
+        log = logging.getLogger(__name__)
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len)
-        logging.getLogger(__name__).info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
-                                         args.static_max_len, engine.cache.bytes_per_slot() * (args.max_sessions + 1) / 1e9)
+        log.info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
+                 args.static_max_len, engine.cache.bytes_per_slot() * (args.max_sessions + 1) / 1e9)
+        if engine.graphs:
+            log.info("capturing CUDA graphs for every pass shape up to %d sessions and %d tokens ...",
+                     args.max_batch_sessions, args.max_batch_tokens)
+            t0 = time.monotonic()
+            n = engine.capture_graphs(args.max_batch_sessions, args.max_batch_tokens)
+            log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
     else:
         engine = TargetEngine(loaded)
     sched = SchedulerConfig(
@@ -157,8 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="dynamic",
         help="dynamic (default): a growing KV cache per session, sessions padded into each pass; static: one "
         "preallocated KV cache with a slot per session (--max-sessions x --static-max-len positions, allocated at "
-        "start) and, on a "
-        "GPU, CUDA graphs captured per batch shape, which removes the eager forward's launch overhead",
+        "start) and, on a GPU, CUDA graphs, one per batch shape that --max-batch-sessions and "
+        "--max-batch-tokens allow, all captured before serving starts; they remove the eager forward's "
+        "launch overhead",
     )
     s.add_argument("--static-max-len", type=int, default=2048,
                    help="static engine: KV positions per session (prompt + output + lookahead must fit)")

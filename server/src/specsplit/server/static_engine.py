@@ -6,7 +6,7 @@ needs fixed shapes and fixed memory: so every session owns a slot (a row) of one
 of `max_len` positions, its tokens at positions 0..n-1 of its row, and a pass writes
 each session's new keys and values at its own offset in its own row. A pass is padded
 to a bucket of sessions and of tokens per session; one graph is captured per bucket
-pair the first time it is needed. Rollback is free: a session's length is just where
+pair, all that the scheduler's limits allow before serving starts. Rollback is free: a session's length is just where
 its next tokens will be written. Attention sees a session's own row up to each query's
 position, so padding changes nothing and results match the dynamic engine's.
 
@@ -109,6 +109,21 @@ class SlotState(KVState):
         return 0 if self.slot is None else self.engine.cache.bytes_per_slot()
 
 
+def pass_shapes(max_sessions: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every padded (sessions, tokens per session) shape a pass can take when the scheduler
+    puts at most `max_sessions` sessions in a pass and at most `max_tokens` tokens (sessions
+    times the longest feed), except that one session may exceed the tokens alone."""
+    shapes = []
+    for i, b in enumerate(SESSION_BUCKETS):
+        fewest = SESSION_BUCKETS[i - 1] + 1 if i else 1  # the fewest sessions that pad to b
+        if fewest > max_sessions:
+            break
+        for j, f in enumerate(TOKEN_BUCKETS):
+            if b == 1 or fewest * (TOKEN_BUCKETS[j - 1] + 1 if j else 1) <= max_tokens:
+                shapes.append((b, f))
+    return shapes
+
+
 class StaticEngine:
     def __init__(self, loaded: LoadedModel, slots: int, max_len: int, graphs: bool | None = None) -> None:
         self.loaded = loaded
@@ -164,22 +179,38 @@ class StaticEngine:
             config._attn_implementation = loaded_attention
         return {"logits": out.logits, "best": out.logits.argmax(-1)}
 
+    @torch.inference_mode()
+    def capture_graphs(self, max_sessions: int, max_tokens: int) -> int:
+        """Capture, before serving, the graph of every pass shape the scheduler's limits allow
+        (pass_shapes), so that no session waits behind a capture (each costs a few eager
+        passes). Returns how many were captured; without graphs, none."""
+        if not self.graphs:
+            return 0
+        shapes = pass_shapes(min(max_sessions, len(self.free)), max_tokens)
+        for b, f in shapes:
+            self._capture(b, f)
+        return len(shapes)
+
+    def _capture(self, b: int, f: int) -> None:
+        if (b, f) in self._captured:
+            return
+        inp = self._inputs(b, f)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph, as capture requires
+                self._forward(inp)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(inp)
+        self._pool = graph.pool()  # one memory pool for all graphs: they never run at once
+        self._captured[(b, f)] = (graph, inp, out)
+
     def _run(self, b: int, f: int, host: dict) -> dict:
         if not self.graphs:
             return self._forward({k: v.to(self.device) for k, v in host.items()})
-        if (b, f) not in self._captured:
-            inp = self._inputs(b, f)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph, as capture requires
-                    self._forward(inp)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(inp)
-            self._pool = graph.pool()  # one memory pool for all graphs: they never run at once
-            self._captured[(b, f)] = (graph, inp, out)
+        self._capture(b, f)  # a shape outside the limits captured at start
         graph, inp, out = self._captured[(b, f)]
         for k, v in host.items():
             inp[k].copy_(v, non_blocking=True)
