@@ -8,6 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+# Not __name__: under `python -m` that is __main__, outside the "specsplit" logger whose level main() sets.
+log = logging.getLogger("specsplit.server.cli")
+
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
@@ -33,7 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.loading import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
-    logging.getLogger(__name__).info("loading target %s (%s on %s)", args.target, dtype, args.device)
+    log.info("loading target %s (%s on %s)", args.target, dtype, args.device)
     try:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
     except OSError as exc:  # a path that does not exist, a hub id that cannot be fetched
@@ -42,12 +45,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.cpu_linear == "onednn" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
         from specsplit.server.cpu_linear import use_onednn_linears
 
-        logging.getLogger(__name__).info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
+        log.info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
     if args.engine == "static":
-        log = logging.getLogger(__name__)
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len)
         log.info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
-                 args.static_max_len, engine.cache.bytes_per_slot() * (args.max_sessions + 1) / 1e9)
+                 args.static_max_len, engine.cache.bytes_per_slot * (args.max_sessions + 1) / 1e9)
         if engine.graphs:
             log.info("capturing CUDA graphs for every pass shape up to %d sessions and %d tokens ...",
                      args.max_batch_sessions, args.max_batch_tokens)

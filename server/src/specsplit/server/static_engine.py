@@ -49,6 +49,8 @@ class SlotCache:
         self.max_len = max_len
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        # Read by the KV gauge for every session after every pass: computed once.
+        self.bytes_per_slot = 2 * self.k[:, 0].numel() * self.k.element_size()
         self.rows: torch.Tensor | None = None  # [batch]: slot of each row of the pass
         self.flat: torch.Tensor | None = None  # [batch * tokens]: slot * max_len + position of each new token
 
@@ -66,9 +68,6 @@ class SlotCache:
 
     def get_seq_length(self, layer: int = 0) -> int:
         return 0  # positions and masks are always given explicitly
-
-    def bytes_per_slot(self) -> int:
-        return 2 * self.k[:, 0].numel() * self.k.element_size()
 
 
 GQA_ATTENTION = "specsplit_gqa_sdpa"
@@ -106,7 +105,7 @@ class SlotState(KVState):
             self.slot = None
 
     def nbytes(self) -> int:
-        return 0 if self.slot is None else self.engine.cache.bytes_per_slot()
+        return 0 if self.slot is None else self.engine.cache.bytes_per_slot
 
 
 def pass_shapes(max_sessions: int, max_tokens: int) -> list[tuple[int, int]]:
