@@ -136,6 +136,7 @@ class StaticEngine:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         AttentionInterface.register(GQA_ATTENTION, grouped_sdpa)
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, dict]] = {}
+        self._logits: torch.Tensor | None = None  # the graphs' shared logits output (flat)
         self._pool = None
 
     @property
@@ -186,7 +187,7 @@ class StaticEngine:
         if not self.graphs:
             return 0
         shapes = pass_shapes(min(max_sessions, len(self.free)), max_tokens)
-        for b, f in shapes:
+        for b, f in sorted(shapes, key=lambda s: -s[0] * s[1]):  # the largest first sizes the logits buffer
             self._capture(b, f)
         return len(shapes)
 
@@ -198,11 +199,21 @@ class StaticEngine:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph, as capture requires
-                self._forward(inp)
+                warm = self._forward(inp)
         torch.cuda.current_stream().wait_stream(stream)
+        vocab, dtype = warm["logits"].shape[-1], warm["logits"].dtype
+        del warm
+        if self._logits is None or self._logits.numel() < b * f * vocab:
+            self._logits = torch.empty(b * f * vocab, dtype=dtype, device=self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._forward(inp)
+            # Every graph writes its logits into one shared buffer (graphs never run at once),
+            # so that the pool can reuse the memory of each graph's own logits: kept per graph,
+            # the logits of a hundred-odd shapes outgrow an 80 GB card.
+            logits = self._logits[: b * f * vocab].view(b, f, vocab)
+            logits.copy_(out["logits"])
+            out = {"logits": logits, "best": out["best"]}
         self._pool = graph.pool()  # one memory pool for all graphs: they never run at once
         self._captured[(b, f)] = (graph, inp, out)
 
