@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--server-core", type=int, default=1)
     p.add_argument("--edge-core", type=int, default=0)
-    p.add_argument("--window", type=int, default=16)
+    p.add_argument("--window", type=int, default=32, help="most drafts ahead (the edge sizes its lookahead up to it)")
     p.add_argument("--log", default="demo-server.log", help="server log file")
     args = p.parse_args(argv)
 

@@ -62,10 +62,10 @@ def run_script(script: str, args: list[str], core: int) -> list[dict]:
 def async_window(window: str) -> list[str]:
     """The edge's lookahead options for the benchmark's --window."""
     if window == "auto":
-        return ["--adaptive-window", "--window", "32"]
+        return ["--adaptive-window", "--window", "32"]  # the edge's default
     if not window.isdigit() or int(window) < 1:
         raise SystemExit(f"error: --window takes a positive number or auto, not {window!r}")
-    return ["--window", window]
+    return ["--no-adaptive-window", "--window", window]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=0, help="use the first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
-    # 8, not the edge's default 16: on one box the drafter shares the memory bus with the target,
-    # and drafts past what a verification takes only slow it (1.97 vs 1.75 tok/s on code-quicksort).
-    p.add_argument("--window", default="8",
-                   help="async lookahead window, or auto: sized from the acceptance seen (the edge's --adaptive-window, "
-                   "at most 32)")
+    p.add_argument("--window", default="auto",
+                   help="async lookahead: auto (default, the edge's default: sized from the acceptance seen, at most "
+                   "32), or a fixed number of drafts (the edge's --no-adaptive-window)")
     p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     p.add_argument("--server-args", default="", help="extra arguments for specsplit-server serve")

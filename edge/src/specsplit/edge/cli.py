@@ -115,10 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
                    help="sampled verification: match (default with temperature > 0) or sparse-q")
     g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")
-    g.add_argument("--window", type=int, default=16, help="async: drafts allowed ahead of the committed point")
-    g.add_argument("--adaptive-window", action="store_true",
+    g.add_argument("--window", type=int, default=32,
+                   help="async: drafts allowed ahead of the committed point; with the adaptive window, at most this many")
+    g.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=True,
                    help="async: draft ahead as far as the acceptance seen so far makes worthwhile (two expected "
-                   "runs of accepted drafts, at least 4), at most --window")
+                   "runs of accepted drafts, at least 4, at most --window); --no-adaptive-window drafts --window "
+                   "ahead always")
     g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
     g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")

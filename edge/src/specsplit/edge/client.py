@@ -62,8 +62,8 @@ class ConnectOptions:
 @dataclass(frozen=True)
 class EdgeConfig:
     mode: str = "async"
-    window: int = 16  # async: how far ahead of the committed point to draft (with adaptive_window: at most)
-    adaptive_window: bool = False  # async: size the lookahead from the acceptance seen so far (lookahead.py)
+    window: int = 32  # async: how far ahead of the committed point to draft (with adaptive_window: at most)
+    adaptive_window: bool = True  # async: size the lookahead from the acceptance seen so far (lookahead.py)
     k: int = 4  # sync: drafts per round
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
