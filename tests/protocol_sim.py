@@ -95,6 +95,7 @@ class Network:
         """The server's trajectory past its committed point is one the edge really drafted."""
         self.edge_prefixes.update(self.edge._seq.hashes)
         s = self.session
+        assert s is None or s.candidate_count == len(s.candidates)
         if s is not None and s.candidate_tip > s.committed_len:
             assert s._seq.hashes[-1] in self.edge_prefixes, "the server admitted a trajectory the edge never held"
 

@@ -109,7 +109,7 @@ def test_the_width_never_cuts_into_what_a_session_must_feed(rows, fixed, per_tok
 
 
 def test_a_session_the_policy_gave_up_on_verifies_drafts_now_and_then() -> None:
-    e = Explorer(base_patience=4, max_patience=16, patience=4)
+    e = Explorer(base_patience=4, max_patience=16)
     taken = []
     for _ in range(40):
         n = e.adjust(0, lambda: 8)  # the policy always declines the 8 drafts on offer
@@ -133,7 +133,7 @@ def test_no_exploration_without_drafts_on_offer() -> None:
 def test_exploration_is_rare_and_never_overrides_a_choice(passes) -> None:
     """Never overrides a verification the policy chose; at least `base_patience` declined
     passes before each exploration; and never more than `max_patience` declines in a row."""
-    e = Explorer(base_patience=4, max_patience=32, patience=4)
+    e = Explorer(base_patience=4, max_patience=32)
     declined_run = 0
     for chosen, offered in passes:
         chosen = min(chosen, offered)

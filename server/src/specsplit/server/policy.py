@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -134,9 +134,12 @@ class Explorer:
 
     base_patience: int = 4
     max_patience: int = 64
-    patience: int = 4
+    patience: int = field(init=False)  # declined passes the next exploration waits for
     declined: int = 0  # passes in a row that verified none of the drafts on offer
     exploring: bool = False  # the planned verification is an exploration
+
+    def __post_init__(self) -> None:
+        self.patience = self.base_patience
 
     def adjust(self, chosen: int, probe: Callable[[], int]) -> int:
         """The drafts to verify: the policy's `chosen`, or when it is time to explore,

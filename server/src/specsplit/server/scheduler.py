@@ -129,7 +129,7 @@ class VerificationWorker:
             return h.full_since + self.config.stalled_edge_s + 0.01  # look again then
         h.full_since = None
         limit = self.config.max_verify_tokens
-        available = len(s.candidates)
+        available = s.candidate_count
         mode = s.request.draft_mode
         h.budget = min(available, limit)
         if mode is DraftMode.NONE:
@@ -187,7 +187,7 @@ class VerificationWorker:
         if cfg.adaptive and len(batch) > 1:
             batch = self._cut_to_width(batch)
         for h, task, _ in batch:
-            h.explorer.record(len(task.drafts), len(h.session.candidates))
+            h.explorer.record(len(task.drafts), h.session.candidate_count)
         # Round robin: the sessions just taken go to the back of the line.
         taken = [h.session.session_id for h, _, _ in batch]
         if taken:

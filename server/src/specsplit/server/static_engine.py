@@ -6,8 +6,8 @@ needs fixed shapes and fixed memory: so every session owns a slot (a row) of one
 of `max_len` positions, its tokens at positions 0..n-1 of its row, and a pass writes
 each session's new keys and values at its own offset in its own row. A pass is padded
 to a bucket of sessions and of tokens per session; one graph is captured per bucket
-pair, all that the scheduler's limits allow before serving starts. Rollback is free: a session's length is just where
-its next tokens will be written. Attention sees a session's own row up to each query's
+pair, for every pair the scheduler's limits allow, before serving starts. Rollback is
+free: a session's length is just where its next tokens will be written. Attention sees a session's own row up to each query's
 position, so padding changes nothing and results match the dynamic engine's.
 
 Without CUDA (tests, CPU servers) the same code runs eagerly.

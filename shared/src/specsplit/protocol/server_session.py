@@ -114,6 +114,11 @@ class ServerSession:
         return self._seq.tokens[self.prompt_len : self.committed_len]
 
     @property
+    def candidate_count(self) -> int:
+        """len(candidates), without copying them: the scheduler asks for every session every round."""
+        return len(self._seq) - self.committed_len
+
+    @property
     def candidate_tip(self) -> int:
         return len(self._seq)
 
