@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specsplit.edge.client import EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
@@ -20,7 +22,7 @@ from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
-from specsplit.server.engine import KVState, TargetEngine, VerifyItem
+from specsplit.server.engine import KVState, TargetEngine, VerifyItem, common_prefix
 from specsplit.server.loading import load_model
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, pass_shapes
@@ -107,6 +109,13 @@ class _BucketShapes:
 
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return bucket(sessions, SESSION_BUCKETS), bucket(min(longest, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
+
+
+@given(st.lists(st.integers(0, 2), max_size=80), st.lists(st.integers(0, 2), max_size=80), st.booleans())
+def test_common_prefix_is_the_longest_start_two_sequences_share(a, b, as_tuple) -> None:
+    n = common_prefix(tuple(a) if as_tuple else a, b)  # a session's prefix may be either
+    assert a[:n] == b[:n]
+    assert n == min(len(a), len(b)) or a[n] != b[n]
 
 
 def _drafting_worker(n_sessions: int, drafts: int, fixed_s: float, per_token_s: float) -> VerificationWorker:

@@ -28,11 +28,21 @@ PAD_ID = 0  # fed at padded positions; masked out, so any valid id will do
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix. The scheduler asks for every session in every
+    pass, over whole contexts: slices compare in C, where a Python loop over a few hundred
+    tokens cost more per session than the rest of its share of the pass."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    a, b = list(a[:n]), list(b[:n])
+    if a == b:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -55,11 +65,11 @@ class KVState:
         """Memory held, including any part a crop cut off but did not free yet."""
         return 0 if self.kv is None else self.kv.untyped_storage().nbytes()
 
-    def reusable(self, prefix: Sequence[int], drafts: Sequence[int]) -> int:
+    def reusable(self, prefix: Sequence[int]) -> int:
         """How many positions of the cache a pass over prefix + drafts keeps. The row for
-        position len(prefix) needs the token before it fed, so at most len(prefix) - 1."""
-        seq = [*prefix, *drafts]
-        return min(common_prefix(self.tokens, seq), len(prefix) - 1)
+        position len(prefix) needs the token before it fed, so at most len(prefix) - 1,
+        whatever the drafts."""
+        return min(common_prefix(self.tokens, prefix), len(prefix) - 1)
 
 
 @dataclass
@@ -75,7 +85,7 @@ class VerifyItem:
     def feed_length(self) -> int:
         """Tokens this item puts through the model (the part of it the cache lacks); read
         before the pass, while the cache is as the item found it."""
-        return len(self.prefix) + len(self.drafts) - self.kv.reusable(self.prefix, self.drafts)
+        return len(self.prefix) + len(self.drafts) - self.kv.reusable(self.prefix)
 
 
 class Engine(Protocol):
@@ -124,7 +134,7 @@ class TargetEngine:
         seqs = [[*it.prefix, *it.drafts] for it in items]
         past = []
         for it in items:
-            keep = it.kv.reusable(it.prefix, it.drafts)
+            keep = it.kv.reusable(it.prefix)
             it.kv.crop(keep)
             past.append(keep)
         feeds = [seq[keep:] for seq, keep in zip(seqs, past)]

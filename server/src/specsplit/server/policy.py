@@ -30,8 +30,11 @@ class PassCostModel:
         self.weight = weight
         self._sizes: list[int] = []
         self._cost: dict[int, float] = {}
+        # cost() is asked for every size, for every session, every round; passes change it.
+        self._memo: dict[int, float] = {}
 
     def observe(self, n: int, seconds: float) -> None:
+        self._memo.clear()
         if n in self._cost:
             self._cost[n] += self.weight * (seconds - self._cost[n])
         else:
@@ -42,6 +45,11 @@ class PassCostModel:
         return len(self._sizes)
 
     def cost(self, n: int) -> float:
+        if n not in self._memo:
+            self._memo[n] = self._interpolate(n)
+        return self._memo[n]
+
+    def _interpolate(self, n: int) -> float:
         sizes = self._sizes
         i = bisect.bisect_left(sizes, n)
         if i < len(sizes) and sizes[i] == n:
