@@ -91,7 +91,7 @@ def render_markdown(report: dict, name: str) -> str:
         f"- network: {report['network']}",
         f"- each point: N sessions, each on its own connection, generating back to back {per_point}; "
         f"{s['max_new_tokens']} new tokens per generation, greedy, {len(report['prompts'])} prompts cycled, "
-        f"lookahead window {s['window']}",
+        f"lookahead window {_window(s)}",
         f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
         f"draft delay {s['draft_delay_ms']:g} ms per token",
         f"- SLO: every session at least {report['slo']:g} tokens/s (its tokens over its generations' wall time) "
@@ -140,3 +140,8 @@ def write_report(report: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(report, indent=1) + "\n")
     md_path.write_text(render_markdown(report, name))
     return json_path, md_path
+
+
+def _window(settings: dict) -> str:
+    # Reports from before the setting existed ran fixed windows.
+    return f"adaptive, at most {settings['window']}" if settings.get("adaptive_window") else f"{settings['window']}, fixed"

@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--duration", type=float, default=10.0, help="seconds per point (default 10)")
     length.add_argument("--generations", type=int, help="instead of --duration: generations per session per point")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per generation (default 64)")
-    p.add_argument("--window", type=int, default=16, help="async edges' lookahead window (default 16)")
+    p.add_argument("--window", type=int, default=16,
+                   help="async edges' lookahead: the most drafts past the committed point; the edge adapts it "
+                   "to the acceptance it sees, as real edges do by default (default 16)")
+    p.add_argument("--fixed-window", action="store_true", help="async edges always draft --window ahead")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated drafters' draws")
     p.add_argument("--server-cores", type=int_list, help="e.g. 1 or 4-7 (default: the last core)")
     p.add_argument("--server-threads", type=int, help="torch threads of the server (default: its core count, or 1)")
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo)
-    settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window, alpha=args.alpha,
+    settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window,
+                            adaptive_window=not args.fixed_window, alpha=args.alpha,
                             draft_delay_ms=args.draft_delay_ms, seed=args.seed,
                             duration_s=None if args.generations else args.duration, generations=args.generations)
     server_cores, client_cores = split_cores(args.server_cores, args.client_cores)

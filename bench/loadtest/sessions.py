@@ -36,7 +36,8 @@ class LoadSettings:
     """What each session does (the knobs of a run)."""
 
     max_new_tokens: int = 64
-    window: int = 16  # async edges' lookahead
+    window: int = 16  # async edges' lookahead: at most this, or exactly this if not adaptive
+    adaptive_window: bool = True  # as the edge client by default: the lookahead follows acceptance
     alpha: float = 0.7  # sim edges: chance per position of proposing the target's token
     draft_delay_ms: float = 0.0  # sim edges: drafting time per token
     seed: int = 0  # of the sim edges' draws
@@ -126,7 +127,8 @@ class _Session:
         self.spec = spec
         self.log = SessionLog(index, kind)
         load = spec.settings
-        self.cfg = EdgeConfig(mode=KINDS[kind], window=load.window, max_new_tokens=load.max_new_tokens, timeline=True)
+        self.cfg = EdgeConfig(mode=KINDS[kind], window=load.window, adaptive_window=load.adaptive_window,
+                              max_new_tokens=load.max_new_tokens, timeline=True)
         self.rng = random.Random(load.seed * 1_000_003 + index)
         # Built before the clock starts: an ONNX session takes a while to create.
         self.onnx = OnnxDrafter(Path(spec.draft_dir)) if spec.draft_dir and kind == "onnx" else None

@@ -31,6 +31,13 @@ def _serve(args: argparse.Namespace) -> int:
               f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions)",
               file=sys.stderr)
         return 2
+    if not args.gil_switch_ms > 0:
+        print(f"error: --gil-switch-ms must be above 0, got {args.gil_switch_ms}", file=sys.stderr)
+        return 2
+    # The target thread lets go of the GIL in every torch call and must get it back from the
+    # event loop, which under load is always busy with messages: at Python's default of 5 ms
+    # per hand-over, a GPU pass stretched well past its GPU time.
+    sys.setswitchinterval(args.gil_switch_ms / 1000)
     if args.threads:
         torch.set_num_threads(args.threads)
     from specsplit.server.loading import resolve_dtype
@@ -196,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         "autoregressive step, at once; wait waits --idle-wait-ms when it has none",
     )
     s.add_argument("--idle-wait-ms", type=float, default=20.0)
+    s.add_argument("--gil-switch-ms", type=float, default=0.5,
+                   help="longest the target thread waits for the event loop to hand it the GIL (Python's "
+                   "switch interval; default 0.5, Python's own is 5)")
     s.add_argument("--max-wait-ms", type=float, default=500.0, help="adaptive: longest wait for drafts")
     s.add_argument("--max-verify-tokens", type=int, default=24, help="most drafts one verification may take")
     s.add_argument(
