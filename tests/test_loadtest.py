@@ -14,9 +14,11 @@ from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
 from loadtest.report import write_report
-from loadtest.sessions import LoadSettings, LoadSpec
+from loadtest.sessions import GenerationRecord, LoadRun, LoadSettings, LoadSpec, SessionLog
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
+from loadtest.summary import session_speeds
 from loadtest.sweep import SweepConfig, reference_continuations
+from loadtest.timeline import Acceptance
 from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from specsplit.edge.tokenizer import EdgeTokenizer
 
@@ -114,3 +116,19 @@ def test_config_target_has_the_published_shape_and_no_eos(tiny, tmp_path, arch) 
     assert describe_target(out)["vocab_size"] == ARCHS[arch]["vocab_size"]
     # The tiny ONNX draft's tokenizer: real edges can be pointed at such a target.
     assert load_prompts(out).fingerprint == EdgeTokenizer(tiny.draft_dir).fingerprint
+
+
+def _generation(tokens: int, elapsed_s: float, in_window: int) -> GenerationRecord:
+    return GenerationRecord(tokens, elapsed_s, in_window, True, 0.1, [], [], [], Acceptance(), 0, 0)
+
+
+def test_session_speed_counts_only_what_ran_under_the_points_load() -> None:
+    """Past the deadline the last generations run with ever fewer sessions beside them: a
+    session whose last generation ran mostly then must not look faster for it."""
+    steady = SessionLog(0, "sim", [_generation(100, 5.0, 100), _generation(100, 5.0, 100)])
+    late = SessionLog(1, "sim", [_generation(100, 5.0, 100), _generation(100, 2.0, 30)])  # 70 after the deadline
+    run = LoadRun([steady, late], started=0.0, deadline=10.0, finished=12.0, cpu_s=1.0)
+    assert session_speeds(run) == [20.0, 13.0]
+    assert late.tokens_per_s > steady.tokens_per_s  # what the whole generations would have said
+    by_count = LoadRun([steady, late], started=0.0, deadline=None, finished=12.0, cpu_s=1.0)
+    assert session_speeds(by_count) == [steady.tokens_per_s, late.tokens_per_s]
