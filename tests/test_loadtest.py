@@ -127,8 +127,9 @@ def test_session_speed_counts_only_what_ran_under_the_points_load() -> None:
     session whose last generation ran mostly then must not look faster for it."""
     steady = SessionLog(0, "sim", [_generation(100, 5.0, 100), _generation(100, 5.0, 100)])
     late = SessionLog(1, "sim", [_generation(100, 5.0, 100), _generation(100, 2.0, 30)])  # 70 after the deadline
-    run = LoadRun([steady, late], started=0.0, deadline=10.0, finished=12.0, cpu_s=1.0)
-    assert session_speeds(run) == [20.0, 13.0]
+    slow_to_connect = SessionLog(2, "sim", [_generation(100, 4.0, 100), _generation(100, 4.0, 100)], first_started=2.0)
+    run = LoadRun([steady, late, slow_to_connect], started=0.0, deadline=10.0, finished=12.0, cpu_s=1.0)
+    assert session_speeds(run) == [20.0, 13.0, 25.0]
     assert late.tokens_per_s > steady.tokens_per_s  # what the whole generations would have said
     by_count = LoadRun([steady, late], started=0.0, deadline=None, finished=12.0, cpu_s=1.0)
     assert session_speeds(by_count) == [steady.tokens_per_s, late.tokens_per_s]

@@ -95,9 +95,9 @@ def render_markdown(report: dict, name: str) -> str:
         f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
         f"draft delay {s['draft_delay_ms']:g} ms per token",
         f"- SLO: every session at least {report['slo']:g} tokens/s (the tokens it committed before the point's "
-        "time was up, over that time; the generations still running then finish with ever fewer sessions and are "
-        "not counted past it) "
-        "and no errors; a mode's sweep stops at its first point that misses it",
+        "time was up, over the time from its first generation until then; the generations still running then "
+        "finish with ever fewer sessions and are not counted past it) and no errors; a mode's sweep stops at its "
+        "first point that misses it",
         "- session tok/s: min and median over sessions; server tok/s: tokens committed in the measured window / "
         "its length",
         "- ITL: gaps between consecutive committed tokens (the tokens of one verdict share its time: gap 0); "

@@ -83,6 +83,7 @@ class SessionLog:
     kind: str
     records: list[GenerationRecord] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
+    first_started: float | None = None  # time.monotonic() when its first generation began (connected)
 
     @property
     def tokens_per_s(self) -> float:
@@ -153,6 +154,8 @@ class _Session:
                 prompt = (self.log.index + n) % len(s.prompts)
                 n += 1
                 started = time.monotonic()
+                if self.log.first_started is None:
+                    self.log.first_started = started
                 try:
                     result = await generate(s.address, s.prompts[prompt], self.cfg, drafter=self._drafter(prompt),
                                             fingerprint=s.fingerprint, channel=channel,

@@ -21,15 +21,19 @@ def _speeds(values: list[float]) -> dict:
 
 def session_speeds(run: LoadRun) -> list[float]:
     """Each session's tokens/s under the point's full load: what it committed before the
-    deadline, over the time until then. Generations started before the deadline run to their
+    deadline, over the time from its first generation's start (its connection made) until
+    then. Generations started before the deadline run to their
     end, but past it ever fewer sessions remain and the last ones speed up; counted in, they
     made the sessions that happened to end late look faster than they ran under the load (a
     192-session GPU point showed a group of sessions a fifth faster than the rest). Without a
     deadline (a set number of generations), tokens over the time spent generating them."""
     if run.deadline is None:
         return [s.tokens_per_s for s in run.sessions]
-    window = run.deadline - run.started
-    return [sum(r.tokens_in_window for r in s.records) / window for s in run.sessions]
+    speeds = []
+    for s in run.sessions:
+        window = run.deadline - (s.first_started if s.first_started is not None else run.started)
+        speeds.append(sum(r.tokens_in_window for r in s.records) / window if window > 0 else 0.0)
+    return speeds
 
 
 def _pooled(sessions: list[SessionLog], attr: str) -> dict | None:
