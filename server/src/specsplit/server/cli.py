@@ -91,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens_limit,
         max_message_bytes=args.max_message_bytes,
         grace_s=args.grace,
+        linger_s=args.stalled_edge_timeout,
         metrics_port=args.metrics_port,
         tls=tls,
         tokens_file=Path(args.tokens_file) if args.tokens_file else None,
@@ -230,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="larger messages get RESOURCE_EXHAUSTED")
     s.add_argument("--grace", type=float, default=10.0, help="seconds open sessions get to finish on SIGTERM")
     s.add_argument("--stalled-edge-timeout", type=float, default=30.0,
-                   help="seconds an edge may leave its verdicts unread before its session is ended")
+                   help="seconds an edge may leave its verdicts unread before its session is ended, and, "
+                   "after its Done, keep its stream open before the server ends it")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     s.add_argument("--tls-key", help="server private key (PEM)")

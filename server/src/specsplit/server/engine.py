@@ -35,6 +35,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     a, b = list(a[:n]), list(b[:n])
     if a == b:
         return n
+    if a[: n - 1] == b[: n - 1]:  # the usual miss: a verdict's correction where a draft was cached
+        return n - 1
     lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -44,7 +44,10 @@ class ServeConfig:
     # Keepalive: a vanished edge is noticed within about keepalive_s + keepalive_timeout_s.
     keepalive_s: float = 20.0
     keepalive_timeout_s: float = 10.0
-    linger_s: float = 5.0  # after Done, how long to wait for the edge to half-close
+    # After Done, how long to wait for the edge to half-close before ending the call: ending it
+    # while the edge still writes fails those writes and, with them, the call at the edge. A
+    # busy edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
+    linger_s: float = 30.0
 
 
 def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
