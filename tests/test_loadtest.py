@@ -14,7 +14,7 @@ from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
 from loadtest.report import write_report
-from loadtest.sessions import GenerationRecord, LoadRun, LoadSettings, LoadSpec, SessionLog
+from loadtest.sessions import GenerationRecord, LoadSettings, LoadSpec, SessionLog
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import session_speeds
 from loadtest.sweep import SweepConfig, reference_continuations
@@ -125,11 +125,22 @@ def _generation(tokens: int, elapsed_s: float, in_window: int) -> GenerationReco
 def test_session_speed_counts_only_what_ran_under_the_points_load() -> None:
     """Past the deadline the last generations run with ever fewer sessions beside them: a
     session whose last generation ran mostly then must not look faster for it."""
-    steady = SessionLog(0, "sim", [_generation(100, 5.0, 100), _generation(100, 5.0, 100)])
-    late = SessionLog(1, "sim", [_generation(100, 5.0, 100), _generation(100, 2.0, 30)])  # 70 after the deadline
-    slow_to_connect = SessionLog(2, "sim", [_generation(100, 4.0, 100), _generation(100, 4.0, 100)], first_started=2.0)
-    run = LoadRun([steady, late, slow_to_connect], started=0.0, deadline=10.0, finished=12.0, cpu_s=1.0)
-    assert session_speeds(run) == [20.0, 13.0, 25.0]
+    steady = SessionLog(0, "sim", [_generation(100, 5.0, 100), _generation(100, 5.0, 100)], window_s=10.0)
+    late = SessionLog(1, "sim", [_generation(100, 5.0, 100), _generation(100, 2.0, 30)], window_s=10.0)
+    started_late = SessionLog(2, "sim", [_generation(100, 4.0, 100), _generation(100, 4.0, 100)], window_s=8.0)
+    assert session_speeds([steady, late, started_late]) == [20.0, 13.0, 25.0]
     assert late.tokens_per_s > steady.tokens_per_s  # what the whole generations would have said
-    by_count = LoadRun([steady, late], started=0.0, deadline=None, finished=12.0, cpu_s=1.0)
-    assert session_speeds(by_count) == [steady.tokens_per_s, late.tokens_per_s]
+    steady.window_s = late.window_s = None  # a set number of generations, no deadline
+    assert session_speeds([steady, late]) == [steady.tokens_per_s, late.tokens_per_s]
+
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_load_test_edges_adapt_their_lookahead_unless_told_not_to(adaptive) -> None:
+    from loadtest.report import _window
+    from loadtest.sessions import _Session
+
+    settings = LoadSettings(window=12, adaptive_window=adaptive, duration_s=None, generations=1)
+    spec = LoadSpec("localhost:1", ((1, 2),), ((3,),), "", 10, settings)
+    assert _Session(spec, 0, "sim").cfg.adaptive_window is adaptive
+    assert _window({"window": 12, "adaptive_window": adaptive}) == ("adaptive, at most 12" if adaptive else "12, fixed")

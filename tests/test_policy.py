@@ -1,6 +1,7 @@
 """The verification-size policy."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -145,3 +146,13 @@ def test_exploration_is_rare_and_never_overrides_a_choice(passes) -> None:
         e.record(n, offered)
         declined_run = declined_run + 1 if (offered and not n) else (declined_run if not offered else 0)
         assert declined_run <= 32
+
+
+def test_pass_costs_follow_new_measurements() -> None:
+    """The cost model memoises its lookups; a pass timed since must show in them."""
+    costs = PassCostModel(weight=1.0)
+    costs.observe(1, 0.01)
+    costs.observe(8, 0.02)
+    assert costs.cost(4) == pytest.approx(0.01 + 0.01 * 3 / 7)
+    costs.observe(8, 0.09)
+    assert costs.cost(4) == pytest.approx(0.01 + 0.08 * 3 / 7)

@@ -83,7 +83,10 @@ class SessionLog:
     kind: str
     records: list[GenerationRecord] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
-    first_started: float | None = None  # time.monotonic() when its first generation began (connected)
+    first_started: float | None = None  # time.monotonic() when its first generation began
+    # From its first generation to its process's deadline; None without a deadline. Set where
+    # the deadline is known: each load-generator process has its own.
+    window_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -179,4 +182,7 @@ async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]]) -> LoadR
     duration = spec.settings.duration_s
     deadline = None if duration is None else started + duration
     await asyncio.gather(*(e.run(deadline) for e in edges))
+    if deadline is not None:
+        for e in edges:
+            e.log.window_s = deadline - (e.log.first_started if e.log.first_started is not None else started)
     return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)

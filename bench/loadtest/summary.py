@@ -19,21 +19,17 @@ def _speeds(values: list[float]) -> dict:
     return {"min": min(values), "p50": float(np.median(values)), "max": max(values), "values": values}
 
 
-def session_speeds(run: LoadRun) -> list[float]:
+def session_speeds(sessions: list[SessionLog]) -> list[float]:
     """Each session's tokens/s under the point's full load: what it committed before the
-    deadline, over the time from its first generation's start (its connection made) until
-    then. Generations started before the deadline run to their
-    end, but past it ever fewer sessions remain and the last ones speed up; counted in, they
-    made the sessions that happened to end late look faster than they ran under the load (a
-    192-session GPU point showed a group of sessions a fifth faster than the rest). Without a
-    deadline (a set number of generations), tokens over the time spent generating them."""
-    if run.deadline is None:
-        return [s.tokens_per_s for s in run.sessions]
-    speeds = []
-    for s in run.sessions:
-        window = run.deadline - (s.first_started if s.first_started is not None else run.started)
-        speeds.append(sum(r.tokens_in_window for r in s.records) / window if window > 0 else 0.0)
-    return speeds
+    deadline, over the time from its first generation's start until then. Generations started
+    before the deadline run to their end, but past it ever fewer sessions remain and the last
+    ones speed up; counted in, they made the sessions that happened to end late look faster
+    than they ran under the load (a 192-session GPU point showed a group of sessions a fifth
+    faster than the rest). Without a deadline (a set number of generations), tokens over the
+    time spent generating them."""
+    return [s.tokens_per_s if s.window_s is None
+            else sum(r.tokens_in_window for r in s.records) / s.window_s if s.window_s > 0 else 0.0
+            for s in sessions]
 
 
 def _pooled(sessions: list[SessionLog], attr: str) -> dict | None:
@@ -95,7 +91,7 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
         "generations": len(records),
         "tokens": sum(r.tokens for r in records),
         "sessions_without_output": sum(not s.records for s in sessions),
-        "session_tok_s": _speeds(session_speeds(run)),  # what the SLO judges
+        "session_tok_s": _speeds(session_speeds(sessions)),  # what the SLO judges
         "session_tok_s_whole": _speeds([s.tokens_per_s for s in sessions]),
         "server_tok_s": sum(r.tokens_in_window for r in records) / window if window > 0 else 0.0,
         "ttft_ms": percentiles([r.ttft_s * 1000 for r in records if r.ttft_s is not None]),
