@@ -13,8 +13,8 @@ from loadtest.capacity import capacity
 from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
-from loadtest.report import write_report
-from loadtest.sessions import GenerationRecord, LoadSettings, LoadSpec, SessionLog
+from loadtest.report import _window, write_report
+from loadtest.sessions import GenerationRecord, LoadSettings, LoadSpec, SessionLog, _Session
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import session_speeds
 from loadtest.sweep import SweepConfig, reference_continuations
@@ -134,12 +134,8 @@ def test_session_speed_counts_only_what_ran_under_the_points_load() -> None:
     assert session_speeds([steady, late]) == [steady.tokens_per_s, late.tokens_per_s]
 
 
-
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_load_test_edges_adapt_their_lookahead_unless_told_not_to(adaptive) -> None:
-    from loadtest.report import _window
-    from loadtest.sessions import _Session
-
     settings = LoadSettings(window=12, adaptive_window=adaptive, duration_s=None, generations=1)
     spec = LoadSpec("localhost:1", ((1, 2),), ((3,),), "", 10, settings)
     assert _Session(spec, 0, "sim").cfg.adaptive_window is adaptive

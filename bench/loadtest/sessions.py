@@ -83,10 +83,16 @@ class SessionLog:
     kind: str
     records: list[GenerationRecord] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
-    first_started: float | None = None  # time.monotonic() when its first generation began
-    # From its first generation to its process's deadline; None without a deadline. Set where
-    # the deadline is known: each load-generator process has its own.
+    # From its first generation's start to its process's deadline (each load-generator
+    # process has its own); None without a deadline.
     window_s: float | None = None
+
+    @property
+    def tokens_per_s_under_load(self) -> float:
+        """What it committed before the deadline over `window_s`; without a deadline, tokens_per_s."""
+        if self.window_s is None:
+            return self.tokens_per_s
+        return sum(r.tokens_in_window for r in self.records) / self.window_s if self.window_s > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,8 +163,8 @@ class _Session:
                 prompt = (self.log.index + n) % len(s.prompts)
                 n += 1
                 started = time.monotonic()
-                if self.log.first_started is None:
-                    self.log.first_started = started
+                if deadline is not None and self.log.window_s is None:
+                    self.log.window_s = deadline - started
                 try:
                     result = await generate(s.address, s.prompts[prompt], self.cfg, drafter=self._drafter(prompt),
                                             fingerprint=s.fingerprint, channel=channel,
@@ -182,7 +188,4 @@ async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]]) -> LoadR
     duration = spec.settings.duration_s
     deadline = None if duration is None else started + duration
     await asyncio.gather(*(e.run(deadline) for e in edges))
-    if deadline is not None:
-        for e in edges:
-            e.log.window_s = deadline - (e.log.first_started if e.log.first_started is not None else started)
     return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)

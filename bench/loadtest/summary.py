@@ -27,9 +27,7 @@ def session_speeds(sessions: list[SessionLog]) -> list[float]:
     than they ran under the load (a 192-session GPU point showed a group of sessions a fifth
     faster than the rest). Without a deadline (a set number of generations), tokens over the
     time spent generating them."""
-    return [s.tokens_per_s if s.window_s is None
-            else sum(r.tokens_in_window for r in s.records) / s.window_s if s.window_s > 0 else 0.0
-            for s in sessions]
+    return [s.tokens_per_s_under_load for s in sessions]
 
 
 def _pooled(sessions: list[SessionLog], attr: str) -> dict | None:

@@ -32,7 +32,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     pass, over whole contexts: slices compare in C, where a Python loop over a few hundred
     tokens cost more per session than the rest of its share of the pass."""
     n = min(len(a), len(b))
-    a, b = list(a[:n]), list(b[:n])
+    a, b = a[:n], b[:n]
+    if type(a) is not type(b):  # a tuple never equals a list
+        a, b = list(a), list(b)
     if a == b:
         return n
     if a[: n - 1] == b[: n - 1]:  # the usual miss: a verdict's correction where a draft was cached
