@@ -9,8 +9,9 @@ Two questions the capacity report rests on:
    tokens differ from the alone run, and where the first difference falls. In fp32 on
    CPU none may differ; in bf16 on a GPU a batch's different kernels may flip near-ties.
 
-Runs on CPU too (`--arch tiny`), which is how its code is kept working without a GPU.
-Writes bench/results/<name>.json and .md.
+Runs on CPU too (`--arch tiny`), which is how its code is kept working without a GPU;
+`--target DIR` times a real model instead (the CPU report compares `--cpu-linear` settings
+on the default target that way). Writes bench/results/<name>.json and .md.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import torch
 
 from loadtest.machine import machine_info
 from loadtest.targets import ARCHS, write_config_target
+from specsplit.server import models
+from specsplit.server.cpu_linear import use_mlas_linears
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
 from specsplit.server.static_engine import StaticEngine
 from specsplit.server.loading import load_model
@@ -35,14 +38,18 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
         "num_key_value_heads": 2, "vocab_size": 320}
 
 
-def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slots: int, max_len: int) -> Engine:
-    target = write_config_target(work / arch, "qwen2-1.5b" if arch == "tiny" else arch)
+def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slots: int, max_len: int,
+                 cpu_linear: str = "default") -> Engine:
+    real = Path(arch).is_dir()  # a model directory: its own weights
+    target = Path(arch) if real else write_config_target(work / arch, "qwen2-1.5b" if arch == "tiny" else arch)
     if arch == "tiny":
         config = json.loads((target / "config.json").read_text())
         config.update(TINY, tie_word_embeddings=False)
         config.pop("layer_types", None)  # derived from the layer count again on load
         (target / "config.json").write_text(json.dumps(config))
-    loaded = load_model(str(target), dtype=dtype, device=device, load_format="dummy")
+    loaded = load_model(str(target), dtype=dtype, device=device, load_format="auto" if real else "dummy")
+    if cpu_linear == "onnxruntime":
+        use_mlas_linears(loaded.model)
     return StaticEngine(loaded, slots, max_len) if kind == "static" else TargetEngine(loaded)
 
 
@@ -153,8 +160,10 @@ def batching_divergence(engine: Engine, sessions: int, steps: int, k: int) -> di
 
 def render(report: dict) -> str:
     m = report["machine"]
-    lines = [f"# Engine passes and batching divergence ({report['engine']} engine, {report['dtype']}, random weights)", "",
-             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {torch.__version__}. Rerun: `{report['rerun']}`", ""]
+    weights = f"weights of {report['target']}" if report.get("target") else "random weights"
+    lines = [f"# Engine passes and batching divergence ({report['engine']} engine, {report['dtype']}, {weights})", "",
+             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {torch.__version__}; {report['threads']} thread(s); "
+             f"linear layers: {report['cpu_linear']}. Rerun: `{report['rerun']}`", ""]
     for arch, res in report["archs"].items():
         lines += [f"## {arch}", "", "| sessions | tokens each | KV length | pass ms (median) |", "| --- | --- | --- | --- |"]
         lines += [f"| {r['sessions']} | {r['tokens_per_session']} | {r['kv_len']} | {r['ms_median']:.1f} |"
@@ -189,26 +198,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--divergence-steps", type=int, default=48)
     p.add_argument("--engine", choices=["dynamic", "static"], default="dynamic",
                    help="the server's --engine (static: slot cache, CUDA graphs on GPU)")
+    p.add_argument("--target", help="time a real model's weights instead of --arch configs: a model directory, "
+                   "or 'default' for the default pair's target (prepared into the model cache if needed)")
+    p.add_argument("--cpu-linear", choices=["default", "onnxruntime"], default="default",
+                   help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for multi-token passes)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--name", default=None, help="default: gpu-passes-ENGINE")
     args = p.parse_args(argv)
     args.name = args.name or f"gpu-passes-{args.engine}"
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    archs = args.arch or ["qwen2-1.5b", "qwen2-7b"]
+    if args.target == "default":
+        args.target = models.prepare().target_dir
+    elif args.target is not None:
+        args.target = Path(args.target)
+        if not (args.target / "config.json").is_file():
+            p.error(f"--target {args.target}: not a model directory (no config.json)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    archs = [str(args.target)] if args.target else args.arch or ["qwen2-1.5b", "qwen2-7b"]
     report: dict = {"machine": machine_info(args.device), "dtype": dtype, "device": args.device, "engine": args.engine,
+                    "target": args.target.name if args.target else None, "cpu_linear": args.cpu_linear,
+                    "threads": torch.get_num_threads(),
                     "rerun": "python bench/gpu_passes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "archs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
-            print(f"{arch}: loading random weights ({dtype} on {args.device})", file=sys.stderr, flush=True)
+            print(f"{arch}: loading ({dtype} on {args.device})", file=sys.stderr, flush=True)
             batches = [int(x) for x in args.batches.split(",")]
             engine = build_engine(arch, args.device, dtype, Path(tmp), args.engine,
-                                  max(*batches, args.divergence_sessions), args.kv_len + 128)
+                                  max(*batches, args.divergence_sessions), args.kv_len + 128, args.cpu_linear)
             res: dict = {"passes": pass_times(engine, batches,
                                               [int(x) for x in args.tokens.split(",")], args.kv_len, args.repeats)}
             if args.divergence_sessions:
                 print(f"{arch}: divergence check", file=sys.stderr, flush=True)
                 res["divergence"] = batching_divergence(engine, args.divergence_sessions, args.divergence_steps, 8)
-            report["archs"][arch] = res
+            report["archs"][Path(arch).name] = res
             del engine
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -49,10 +49,10 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # a path that does not exist, a hub id that cannot be fetched
         print(f"error: cannot load the target {args.target}: {exc}", file=sys.stderr)
         return 2
-    if args.cpu_linear == "onednn" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
-        from specsplit.server.cpu_linear import use_onednn_linears
+    if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
+        from specsplit.server.cpu_linear import use_mlas_linears
 
-        log.info("oneDNN linears for multi-token passes: %d layers", use_onednn_linears(loaded.model))
+        log.info("ONNX Runtime linears for multi-token passes: %d layers", use_mlas_linears(loaded.model))
     if args.engine == "static":
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len)
         log.info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
@@ -191,9 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--cpu-linear",
-        choices=["auto", "onednn", "default"],
+        choices=["auto", "onnxruntime", "default"],
         default="auto",
-        help="auto (default): oneDNN linears for multi-token passes when serving fp32 on CPU",
+        help="auto (default): ONNX Runtime's GEMM for the linear layers of multi-token passes when serving fp32 "
+        "on CPU (about a third faster for 4 to 16 tokens; holds a second copy of the weights); default: PyTorch's",
     )
     s.add_argument(
         "--idle-policy",

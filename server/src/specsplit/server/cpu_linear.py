@@ -1,43 +1,85 @@
 """Faster fp32 linear layers on CPU for verification-sized batches.
 
-On CPUs where the default BLAS handles a handful of rows poorly (cost growing almost
-linearly from 1 to 16 rows), oneDNN's inner product is up to twice as fast for the
-2-48 token batches verification produces. Single-token steps stay on the default
-path, which is quicker there. Measured per layer in the benchmark report.
+A verification feeds the target a handful of tokens at once. PyTorch's default CPU GEMM
+handles a few rows poorly: on a 2-core AVX2 server a whole 1.5B pass over 2 tokens cost
+twice one over 1 token, and 8 tokens about four times, although the pass reads the same
+weights and a single core could do the arithmetic for about 9 tokens in the time the
+weights take to stream from memory. ONNX Runtime's GEMM (MLAS) packs the weights once,
+when the layer is built, and keeps small batches near memory speed: the same passes cost
+1.2x (2 tokens) and 1.6x (8 tokens) one token. Single-token steps stay on PyTorch's path,
+which is as quick there. Measured per pass size by `bench/cpu_passes.py`.
 """
 from __future__ import annotations
 
+import numpy as np
+import onnxruntime as ort
 import torch
+from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-ONEDNN_MIN_ROWS = 2
+MIN_ROWS = 2  # fewer rows than this stay on PyTorch's own path
+OPSET = 17
+
+_thread_pool: int | None = None  # size of ONNX Runtime's process-wide pool, once made
 
 
-class OneDNNLinear(nn.Module):
-    """Wraps an nn.Linear: oneDNN for >= ONEDNN_MIN_ROWS rows, the original below."""
+def _session_options(threads: int) -> ort.SessionOptions:
+    """One thread: no pool at all. More: every layer shares one process-wide pool of that
+    size (a pool per layer would be hundreds of pools), which ONNX Runtime lets a process
+    create once, before its first session."""
+    global _thread_pool
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # one node: nothing to fuse
+    if threads == 1:
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        return options
+    if _thread_pool is None:
+        ort.set_global_thread_pool_sizes(threads, 1)
+        _thread_pool = threads
+    options.use_per_session_threads = False
+    return options
 
-    def __init__(self, linear: nn.Linear) -> None:
+
+class MlasLinear(nn.Module):
+    """Wraps an fp32 nn.Linear: ONNX Runtime for >= MIN_ROWS rows, the original below."""
+
+    def __init__(self, linear: nn.Linear, threads: int) -> None:
         super().__init__()
         self.linear = linear
-        self.weight_onednn = linear.weight.detach().to_mkldnn()
-        self.bias_onednn = linear.bias.detach().to_mkldnn() if linear.bias is not None else None
+        out_features, in_features = linear.weight.shape
+        self.out_features = out_features
+        weight = np.ascontiguousarray(linear.weight.detach().numpy().T)
+        initializers = [numpy_helper.from_array(weight, "w")]
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if linear.bias is None else "xw"])]
+        if linear.bias is not None:
+            initializers.append(numpy_helper.from_array(linear.bias.detach().numpy().copy(), "b"))
+            nodes.append(helper.make_node("Add", ["xw", "b"], ["y"]))
+        graph = helper.make_graph(
+            nodes, "linear",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", in_features])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", out_features])],
+            initializers,
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+        self.session = ort.InferenceSession(model.SerializeToString(), _session_options(threads),
+                                            providers=["CPUExecutionProvider"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows < ONEDNN_MIN_ROWS or x.dtype != torch.float32 or torch.is_grad_enabled():
+        if rows < MIN_ROWS or x.dtype != torch.float32 or torch.is_grad_enabled():
             return self.linear(x)
-        y = torch._C._nn.mkldnn_linear(x.reshape(rows, -1).to_mkldnn(), self.weight_onednn, self.bias_onednn)
-        return y.to_dense().reshape(*x.shape[:-1], -1)
+        (y,) = self.session.run(None, {"x": x.reshape(rows, -1).contiguous().numpy()})
+        return torch.from_numpy(y).reshape(*x.shape[:-1], self.out_features)
 
 
-def use_onednn_linears(model: nn.Module) -> int:
-    """Swap every fp32 nn.Linear of `model` (on CPU) for OneDNNLinear; returns how many."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+def use_mlas_linears(model: nn.Module, threads: int | None = None) -> int:
+    """Swap every fp32 nn.Linear of `model` (on CPU) for MlasLinear; returns how many.
+    `threads` defaults to PyTorch's own thread count."""
+    threads = threads or torch.get_num_threads()
     swapped = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(module, child_name, OneDNNLinear(child))
+                setattr(module, child_name, MlasLinear(child, threads))
                 swapped += 1
     return swapped

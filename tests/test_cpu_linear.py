@@ -1,0 +1,41 @@
+"""ONNX Runtime linears for multi-token passes on CPU compute what the layers they replace do."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specsplit.server.cpu_linear import MIN_ROWS, MlasLinear, use_mlas_linears
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 7), (3, 5)])
+def test_same_output_as_the_layer_it_wraps(bias: bool, shape: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    wrapped = MlasLinear(linear, threads=1)
+    x = torch.randn(*shape, 48)
+    with torch.no_grad():
+        want, got = linear(x), wrapped(x)
+    assert got.shape == want.shape == (*shape, 80)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if shape[0] * shape[1] < MIN_ROWS:
+        assert torch.equal(got, want)  # single-token steps stay on PyTorch's path
+
+
+def test_swaps_fp32_linears_of_a_model_and_keeps_its_logits() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8, bias=False)))
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        want = model(x)
+        assert use_mlas_linears(model, threads=1) == 2
+        got = model(x)
+    assert isinstance(model[0], MlasLinear) and isinstance(model[2][0], MlasLinear)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_leaves_other_dtypes_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))
+    assert use_mlas_linears(model, threads=1) == 0
+    assert isinstance(model[0], nn.Linear)
