@@ -21,6 +21,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 BIN = Path(sys.executable).parent
+# The cores this process could use when it started. A driver pins itself to the edge's core
+# afterwards (the benchmark does, to keep off the server's core); its children must still be
+# placed on the cores it gave up, so they are checked against this set, not the current one.
+START_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 
 
 def machine() -> dict:
@@ -42,8 +46,7 @@ def pin(cores: Sequence[int] | None):  # type: ignore[no-untyped-def]
     """A preexec_fn pinning the child to `cores` (None: no pinning)."""
     if not cores or not hasattr(os, "sched_setaffinity"):
         return None
-    available = os.sched_getaffinity(0)
-    chosen = {c for c in cores if c in available}
+    chosen = {c for c in cores if c in START_CORES}
     if not chosen:
         return None
     return lambda: os.sched_setaffinity(0, chosen)

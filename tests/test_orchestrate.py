@@ -1,0 +1,39 @@
+"""The benchmark's process pinning: children land on the cores asked for."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrate import START_CORES, pin
+
+needs_two_cores = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(START_CORES) < 2,
+                                     reason="needs at least two cores to pin to")
+
+
+def child_cores(cores: list[int]) -> set[int]:
+    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         preexec_fn=pin(cores), capture_output=True, text=True, check=True)
+    return set(json.loads(out.stdout))
+
+
+@needs_two_cores
+def test_a_child_gets_a_core_its_driver_gave_up() -> None:
+    # The benchmark's driver pins itself to the edge's core, then starts the server on another:
+    # the server must get that other core, not inherit the driver's.
+    first, second = sorted(START_CORES)[:2]
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {first})
+    try:
+        assert child_cores([second]) == {second}
+        assert child_cores([first]) == {first}
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_no_cores_means_no_pinning() -> None:
+    assert pin(None) is None and pin([]) is None
+    assert pin([max(START_CORES, default=0) + 1000]) is None  # a core this machine lacks
