@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 from torch import nn
 
 MIN_ROWS = 2  # fewer rows than this stay on PyTorch's own path
@@ -40,6 +40,15 @@ def _session_options(threads: int) -> ort.SessionOptions:
     return options
 
 
+def _external(name: str, array: np.ndarray) -> TensorProto:
+    """An initializer whose data the session is handed from memory (no copy into the model)."""
+    tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=array.shape,
+                         data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", name), ("offset", "0"), ("length", str(array.nbytes))):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
 class MlasLinear(nn.Module):
     """Wraps an fp32 nn.Linear: ONNX Runtime for >= MIN_ROWS rows, the original below."""
 
@@ -48,21 +57,21 @@ class MlasLinear(nn.Module):
         self.linear = linear
         out_features, in_features = linear.weight.shape
         self.out_features = out_features
-        weight = np.ascontiguousarray(linear.weight.detach().numpy().T)
-        initializers = [numpy_helper.from_array(weight, "w")]
-        nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if linear.bias is None else "xw"])]
-        if linear.bias is not None:
-            initializers.append(numpy_helper.from_array(linear.bias.detach().numpy().copy(), "b"))
-            nodes.append(helper.make_node("Add", ["xw", "b"], ["y"]))
+        # Gemm with transB takes PyTorch's (out, in) weight as it is, handed over without a copy;
+        # the session packs its own copy once, when it is built. The layer keeps the original
+        # for single-token steps.
+        names = ["x", "w"] + ([] if linear.bias is None else ["b"])
+        arrays = [linear.weight.detach().numpy()] + ([] if linear.bias is None else [linear.bias.detach().numpy()])
         graph = helper.make_graph(
-            nodes, "linear",
+            [helper.make_node("Gemm", names, ["y"], transB=1)], "linear",
             [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", in_features])],
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", out_features])],
-            initializers,
+            [_external(name, array) for name, array in zip(names[1:], arrays)],
         )
+        options = _session_options(threads)
+        options.add_external_initializers(names[1:], [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
-        self.session = ort.InferenceSession(model.SerializeToString(), _session_options(threads),
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
