@@ -39,3 +39,12 @@ def test_leaves_other_dtypes_alone() -> None:
     model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))
     assert use_mlas_linears(model, threads=1) == 0
     assert isinstance(model[0], nn.Linear)
+
+
+def test_more_threads_share_one_pool() -> None:
+    torch.manual_seed(1)
+    layers = [nn.Linear(32, 64) for _ in range(3)]
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        for linear in layers:
+            torch.testing.assert_close(MlasLinear(linear, threads=2)(x), linear(x), rtol=1e-5, atol=1e-5)

@@ -2,12 +2,13 @@
 
 A verification feeds the target a handful of tokens at once. PyTorch's default CPU GEMM
 handles a few rows poorly: on a 2-core AVX2 server a whole 1.5B pass over 2 tokens cost
-twice one over 1 token, and 8 tokens about four times, although the pass reads the same
+twice one over 1 token, and 8 tokens about three times, although the pass reads the same
 weights and a single core could do the arithmetic for about 9 tokens in the time the
 weights take to stream from memory. ONNX Runtime's GEMM (MLAS) packs the weights once,
 when the layer is built, and keeps small batches near memory speed: the same passes cost
-1.2x (2 tokens) and 1.6x (8 tokens) one token. Single-token steps stay on PyTorch's path,
-which is as quick there. Measured per pass size by `bench/cpu_passes.py`.
+1.2x (2 tokens) and 1.7x (8 tokens) one token. Single-token steps stay on PyTorch's path,
+which is as quick there. Measured per pass size by `bench/gpu_passes.py --target default
+--device cpu --cpu-linear ...` (`bench/results/cpu-passes-*.md`).
 """
 from __future__ import annotations
 
@@ -20,22 +21,22 @@ from torch import nn
 MIN_ROWS = 2  # fewer rows than this stay on PyTorch's own path
 OPSET = 17
 
-_thread_pool: int | None = None  # size of ONNX Runtime's process-wide pool, once made
+_global_pool_made = False  # ONNX Runtime's process-wide thread pool, sized by the first layer
 
 
 def _session_options(threads: int) -> ort.SessionOptions:
     """One thread: no pool at all. More: every layer shares one process-wide pool of that
     size (a pool per layer would be hundreds of pools), which ONNX Runtime lets a process
     create once, before its first session."""
-    global _thread_pool
+    global _global_pool_made
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # one node: nothing to fuse
     if threads == 1:
         options.intra_op_num_threads = options.inter_op_num_threads = 1
         return options
-    if _thread_pool is None:
+    if not _global_pool_made:
         ort.set_global_thread_pool_sizes(threads, 1)
-        _thread_pool = threads
+        _global_pool_made = True
     options.use_per_session_threads = False
     return options
 
