@@ -29,16 +29,16 @@ def test_swaps_fp32_linears_of_a_model_and_keeps_its_logits() -> None:
     x = torch.randn(2, 6, 16)
     with torch.no_grad():
         want = model(x)
-        assert use_mlas_linears(model, threads=1) == 2
+        assert use_mlas_linears(model, threads=1, min_weights=0) == 2
         got = model(x)
     assert isinstance(model[0], MlasLinear) and isinstance(model[2][0], MlasLinear)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_leaves_other_dtypes_alone() -> None:
-    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))
-    assert use_mlas_linears(model, threads=1) == 0
-    assert isinstance(model[0], nn.Linear)
+def test_leaves_other_dtypes_and_small_layers_alone() -> None:
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4), nn.Linear(512, 512))
+    assert use_mlas_linears(model, threads=1) == 1  # only the layer of 512 x 512 >= MIN_WEIGHTS
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear, MlasLinear]
 
 
 def test_more_threads_share_one_pool() -> None:

@@ -19,6 +19,9 @@ from onnx import TensorProto, helper
 from torch import nn
 
 MIN_ROWS = 2  # fewer rows than this stay on PyTorch's own path
+# Smaller layers stay on PyTorch's path: their weights are read from cache in microseconds,
+# and a call into ONNX Runtime costs a few tens of them (the tests' tiny models).
+MIN_WEIGHTS = 1 << 18
 OPSET = 17
 
 _global_pool_made = False  # ONNX Runtime's process-wide thread pool, sized by the first layer
@@ -82,14 +85,17 @@ class MlasLinear(nn.Module):
         return torch.from_numpy(y).reshape(*x.shape[:-1], self.out_features)
 
 
-def use_mlas_linears(model: nn.Module, threads: int | None = None) -> int:
-    """Swap every fp32 nn.Linear of `model` (on CPU) for MlasLinear; returns how many.
-    `threads` defaults to PyTorch's own thread count."""
+def use_mlas_linears(model: nn.Module, threads: int | None = None, min_weights: int = MIN_WEIGHTS) -> int:
+    """Swap every fp32 nn.Linear of `model` (on CPU) with at least `min_weights` weights for
+    MlasLinear; returns how many. `threads` defaults to PyTorch's own thread count."""
     threads = threads or torch.get_num_threads()
     swapped = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
+            if not isinstance(child, nn.Linear):
+                continue
+            w = child.weight
+            if w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= min_weights:
                 setattr(module, child_name, MlasLinear(child, threads))
                 swapped += 1
     return swapped
