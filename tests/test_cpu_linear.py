@@ -41,7 +41,7 @@ def test_leaves_other_dtypes_and_small_layers_alone() -> None:
     assert [type(m) for m in model] == [nn.Linear, nn.Linear, MlasLinear]
 
 
-def test_more_threads_share_one_pool() -> None:
+def test_more_threads_give_the_same_output() -> None:
     torch.manual_seed(1)
     layers = [nn.Linear(32, 64) for _ in range(3)]
     x = torch.randn(5, 32)

@@ -24,23 +24,17 @@ MIN_ROWS = 2  # fewer rows than this stay on PyTorch's own path
 MIN_WEIGHTS = 1 << 18
 OPSET = 17
 
-_global_pool_made = False  # ONNX Runtime's process-wide thread pool, sized by the first layer
-
 
 def _session_options(threads: int) -> ort.SessionOptions:
-    """One thread: no pool at all. More: every layer shares one process-wide pool of that
-    size (a pool per layer would be hundreds of pools), which ONNX Runtime lets a process
-    create once, before its first session."""
-    global _global_pool_made
+    """Each layer's session gets its own pool of `threads`. Its workers sleep between calls
+    instead of spinning: hundreds of layers take turns, and a spinning pool would steal the
+    cores from the next layer's. (A process-wide pool would be leaner, but once made it breaks
+    every other session in the process that has its own threads, such as an ONNX drafter.)"""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # one node: nothing to fuse
-    if threads == 1:
-        options.intra_op_num_threads = options.inter_op_num_threads = 1
-        return options
-    if not _global_pool_made:
-        ort.set_global_thread_pool_sizes(threads, 1)
-        _global_pool_made = True
-    options.use_per_session_threads = False
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 
