@@ -53,21 +53,20 @@ class MlasLinear(nn.Module):
     def __init__(self, linear: nn.Linear, threads: int) -> None:
         super().__init__()
         self.linear = linear
-        out_features, in_features = linear.weight.shape
-        self.out_features = out_features
         # Gemm with transB takes PyTorch's (out, in) weight as it is, handed over without a copy;
         # the session packs its own copy once, when it is built. The layer keeps the original
         # for single-token steps.
-        names = ["x", "w"] + ([] if linear.bias is None else ["b"])
-        arrays = [linear.weight.detach().numpy()] + ([] if linear.bias is None else [linear.bias.detach().numpy()])
+        inits = {"w": linear.weight.detach().numpy()}
+        if linear.bias is not None:
+            inits["b"] = linear.bias.detach().numpy()
         graph = helper.make_graph(
-            [helper.make_node("Gemm", names, ["y"], transB=1)], "linear",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", in_features])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", out_features])],
-            [_external(name, array) for name, array in zip(names[1:], arrays)],
+            [helper.make_node("Gemm", ["x", *inits], ["y"], transB=1)], "linear",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", linear.in_features])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", linear.out_features])],
+            [_external(name, array) for name, array in inits.items()],
         )
         options = _session_options(threads)
-        options.add_external_initializers(names[1:], [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays])
+        options.add_external_initializers(list(inits), [ort.OrtValue.ortvalue_from_numpy(a) for a in inits.values()])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -76,7 +75,7 @@ class MlasLinear(nn.Module):
         if rows < MIN_ROWS or x.dtype != torch.float32 or torch.is_grad_enabled():
             return self.linear(x)
         (y,) = self.session.run(None, {"x": x.reshape(rows, -1).contiguous().numpy()})
-        return torch.from_numpy(y).reshape(*x.shape[:-1], self.out_features)
+        return torch.from_numpy(y).reshape(*x.shape[:-1], self.linear.out_features)
 
 
 def use_mlas_linears(model: nn.Module, threads: int | None = None, min_weights: int = MIN_WEIGHTS) -> int:
