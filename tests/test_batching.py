@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,61 @@ def test_a_session_whose_drafts_were_poor_still_verifies_some_now_and_then() -> 
         session.drafts_accepted, session.rejections = 0, 40
         taken = [len(worker._pick()[0][0][1].drafts) for _ in range(6)]
         assert taken == [0, 0, 0, 0, 4, 0]  # 4: the best size at the prior acceptance of 0.8
+
+    asyncio.run(main())
+
+
+def _async_session(worker: VerificationWorker, sid: str, prompt: tuple[int, ...]) -> SessionHandle:
+    session = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=8), ServerLimits(1000, 4096), sid)
+    handle = SessionHandle(session, asyncio.Queue(maxsize=8))
+    worker.add(handle)
+    return handle
+
+
+def test_a_prefill_is_not_held_back_waiting_for_drafts() -> None:
+    """Waiting for drafts can pay before a pass over one committed token, never before a
+    prompt's prefill: that pass costs what the prompt costs, drafts or not."""
+    async def main() -> None:
+        worker = VerificationWorker(engine=_BucketShapes(), config=SchedulerConfig())  # type: ignore[arg-type]
+        for n, c in {0: 0.5, 1: 0.55, 4: 0.6, 8: 0.7}.items():  # drafts are cheap: waiting for them pays
+            worker.costs.observe(n, c)
+        prompt = tuple(range(1, 41))
+        fresh = _async_session(worker, "fresh", prompt)
+        cached = _async_session(worker, "cached", prompt)
+        cached.kv.tokens = list(prompt)  # its prompt is in the cache: only the last token to feed
+        batch, soonest = worker._pick()
+        assert [h for h, _, _ in batch] == [fresh]
+        assert soonest is not None and soonest > time.monotonic()  # the other waits for drafts
+
+    asyncio.run(main())
+
+
+class _EchoEngine(_BucketShapes):
+    """Accepts every draft and adds token 7; keeps each cache's token list as a real engine does."""
+
+    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        for it in items:
+            it.kv.tokens = [*it.prefix, *it.drafts]
+        return [np.array([*it.drafts, 7]) for it in items]
+
+
+def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
+    async def main() -> None:
+        worker = VerificationWorker(engine=_EchoEngine(), config=SchedulerConfig())  # type: ignore[arg-type]
+        prompt = tuple(range(1, 41))
+        h = _async_session(worker, "s", prompt)
+        runner = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(h.outbox.get(), 5)  # the prefill's verdict
+            assert worker.costs.known() == 0
+            seq = [*prompt, 7]
+            h.session.receive_draft(DraftChunk(len(seq), (5, 6), HashedSequence(seq).hash_before(len(seq))))
+            worker.notify()
+            await asyncio.wait_for(h.outbox.get(), 5)  # two drafts verified: a pass of three tokens
+            assert worker.costs.known() == 1
+        finally:
+            runner.cancel()
+            worker.close()
 
     asyncio.run(main())
 

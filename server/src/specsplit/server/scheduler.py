@@ -138,16 +138,31 @@ class VerificationWorker:
             # The classic scheme: wait for the k drafts the edge sends, verify them all.
             return now if available else None
         alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
+        if self.config.adaptive and self.config.idle_policy == "adaptive" and self._must_feed(h) > 1:
+            # A prefill (or a reconnect's catch-up): the pass costs what the prompt costs, so
+            # drafts waited for would add nothing but delay to the first token.
+            return now
         if self.config.adaptive and self.config.idle_policy == "adaptive":
-            h.budget, wait = plan(available, limit, alpha, self.costs, h.draft_rate(now), self.config.max_wait_s)
+            rate = h.draft_rate(now)
+            h.budget, wait = plan(available, limit, alpha, self.costs, rate, self.config.max_wait_s)
             if wait == 0.0:
                 h.budget = self._explore(h, h.budget, available, limit)
+            else:
+                log.debug("session %s: waits up to %.0f ms for drafts (holds %d, plans %d; acceptance %.2f, "
+                          "%.1f drafts/s)", s.session_id, wait * 1000, available, h.budget, alpha, rate)
             return now + wait
         if self.config.adaptive:
             h.budget = self._explore(h, choose_drafts(available, limit, alpha, self.costs), available, limit)
         if available or self.config.idle_policy == "ar":
             return now
         return h.idle_since + self.config.idle_wait_s
+
+    @staticmethod
+    def _must_feed(h: SessionHandle) -> int:
+        """Tokens the session's next pass feeds besides its drafts: the last committed one,
+        or the whole prompt while the cache is empty."""
+        s = h.session
+        return s.committed_len - h.kv.reusable(s.tokens[: s.committed_len])
 
     def _explore(self, h: SessionHandle, chosen: int, available: int, limit: int) -> int:
         """`chosen`, or now and then what a fresh session would verify (policy.Explorer)."""
@@ -230,7 +245,13 @@ class VerificationWorker:
                 elapsed = time.monotonic() - t0
             finally:
                 self._in_flight = set()
-            self.costs.observe(max(len(task.drafts) for _, task, _ in batch), elapsed)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
+                          [i.feed_length for _, _, i in batch], [len(t.drafts) for _, t, _ in batch], elapsed * 1000)
+            if all(item.feed_length == len(task.drafts) + 1 for _, task, item in batch):
+                # Timed by drafts, so only passes that fed nothing else: one prefill would
+                # otherwise make verifying a draft or two look as dear as a prompt.
+                self.costs.observe(max(len(task.drafts) for _, task, _ in batch), elapsed)
             self.pass_costs.observe(padded_tokens, elapsed)
             self.metrics.verify_seconds.observe(elapsed)
             self.metrics.batch_sessions.observe(len(batch))
