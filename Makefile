@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
 DEMO_TOKENS ?= 128
 
-.PHONY: venv test demo models bench bench-quick soak loadtest proto clean
+.PHONY: venv test demo models bench bench-quick bench-rtt50 bench-replay soak loadtest proto clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,16 @@ bench: $(STAMP)
 # A subset under 10 minutes: RTT 50 ms, 3 prompts, 96 new tokens, sync at k=8 (the best k here).
 bench-quick: $(STAMP)
 	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 8 --no-hf
+
+# All 12 prompts at the goal's RTT (50 ms) only, every sync k, no HF: about 40 minutes.
+bench-rtt50: $(STAMP)
+	$(PY) bench/run_bench.py --name rtt50 --rtt-ms 50 --max-new-tokens 64 --sync-k 2 4 6 8 --no-hf $(BENCH_ARGS)
+
+# What each mode can reach with these models and this target speed, and what-ifs, from the
+# 12-prompt RTT 50 ms run (bench/results/rtt50.json) and the measured pass times: a model, in
+# about two minutes (most of it the draft run teacher-forced over every prompt).
+bench-replay: $(STAMP)
+	$(PY) bench/replay.py --bench bench/results/rtt50.json --pass-costs bench/results/cpu-passes-onnxruntime.json
 
 # 64 concurrent sessions for 5 minutes with tiny models: zero errors, flat server memory.
 soak: $(STAMP)

@@ -1,0 +1,200 @@
+"""What each mode can reach, and what would change it: the replay model over a benchmark run.
+
+Takes a benchmark run's server-only outputs (the target's greedy continuation of each
+prompt), runs the draft model teacher-forced over them to find where it agrees with the
+target, and replays `none`, `sync` at each k and `async` (replay_model.py) under the pass
+times measured by bench/gpu_passes.py and the run's own network delay and draft speed.
+Beside what the run measured (decoding only: its first token, the prefill, left out) the
+report gives the model's figure and what-ifs: every pass at the cost of one token's pass,
+and a draft that always agrees. Writes bench/results/<name>.json and a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+import replay_model as rm
+from specsplit.edge.drafter import Drafter
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    agreement: Callable[[Sequence[bool]], Sequence[bool]] = lambda a: a
+    costs: Callable[[rm.PassCosts], rm.PassCosts] = lambda c: c
+
+
+SCENARIOS = [
+    Scenario("model", "the model, as measured"),
+    Scenario("flat_passes", "every pass at a one-token pass's cost", costs=lambda c: c.flat()),
+    Scenario("half_the_misses_fixed", "every second disagreement made an agreement", agreement=lambda a: _fix_half(a)),
+    Scenario("draft_always_right", "a draft that always agrees", agreement=lambda a: [True] * len(a)),
+]
+
+
+def _fix_half(agree: Sequence[bool]) -> list[bool]:
+    """A better-matched draft, crudely: every second disagreement becomes an agreement."""
+    out, misses = [], 0
+    for a in agree:
+        misses += not a
+        out.append(a or misses % 2 == 0)
+    return out
+
+
+def agreement(drafter: Drafter, prompt_ids: Sequence[int], continuation: Sequence[int]) -> list[bool]:
+    """Per position of `continuation`: is the draft's greedy token, fed the prompt and the
+    continuation before that position, the continuation's token?"""
+    seq = list(prompt_ids)
+    out = []
+    for token in continuation:
+        out.append(int(np.argmax(drafter.next_logits(seq))) == token)
+        seq.append(token)
+    return out
+
+
+def pass_costs(report: dict) -> rm.PassCosts:
+    """One session's pass times by tokens from a bench/gpu_passes.py report."""
+    (arch,) = report["archs"].values()
+    return rm.PassCosts(tuple((p["tokens_per_session"], p["ms_median"]) for p in arch["passes"] if p["sessions"] == 1))
+
+
+def measured_speedups(runs: list[dict], rtt_ms: float) -> dict[str, float]:
+    """Per mode, the mean over prompts of decoding speed (tokens after the first, over the
+    time after it) relative to `none`'s on the same prompt."""
+    def decode_rate(r: dict) -> float:
+        return (r["tokens"] - 1) / (r["elapsed_s"] - r["ttft_s"])
+
+    base = {r["prompt"]: decode_rate(r) for r in runs if r["mode"] == "none" and r["rtt_ms"] == rtt_ms}
+    ratios: dict[str, list[float]] = {}
+    for r in runs:
+        if r["rtt_ms"] == rtt_ms and r["prompt"] in base and r.get("ttft_s") is not None:
+            ratios.setdefault(r["mode"], []).append(decode_rate(r) / base[r["prompt"]])
+    return {mode: statistics.fmean(rs) for mode, rs in ratios.items()}
+
+
+def replay(agree: Sequence[bool], costs: rm.PassCosts, link: rm.Link, sync_k: Sequence[int]) -> dict[str, rm.Decoded]:
+    out = {"none": rm.none(agree, costs)}
+    out.update({f"sync-{k}": rm.sync(agree, costs, link, k) for k in sync_k})
+    out["async"] = rm.asynchronous(agree, costs, link)
+    return out
+
+
+def model_speedups(agreements: dict[str, list[bool]], costs: rm.PassCosts, link: rm.Link,
+                   sync_k: Sequence[int]) -> dict[str, dict[str, dict[str, float]]]:
+    """Scenario -> mode -> {speedup (mean over prompts of the ratio to `none`), idle fraction}."""
+    out: dict = {}
+    for scenario in SCENARIOS:
+        per_mode: dict[str, list[tuple[float, float]]] = {}
+        for agree in agreements.values():
+            decoded = replay(scenario.agreement(agree), scenario.costs(costs), link, sync_k)
+            base = decoded["none"].tokens_per_s
+            for mode, d in decoded.items():
+                per_mode.setdefault(mode, []).append((d.tokens_per_s / base, d.server_idle_ms / d.ms))
+        out[scenario.key] = {mode: {"speedup": statistics.fmean(s for s, _ in v), "server_idle": statistics.fmean(i for _, i in v)}
+                    for mode, v in per_mode.items()}
+    return out
+
+
+def render(result: dict) -> str:
+    s = result["settings"]
+    modes = list(result["scenarios"]["model"])
+    lines = [
+        f"# Replay model over `{s['bench']}`",
+        "",
+        f"- machine of the measurements: {result['machine']['cpu']}, {result['machine']['cores']} cores; pass times from `{s['pass_costs']}` "
+        f"({', '.join(f'{t} tok {ms:.0f} ms' for t, ms in s['pass_ms'])})",
+        f"- draft {s['draft_ms']:.1f} ms a token (the run's draft-alone speed); one-way delay {s['one_way_ms']:.0f} ms; "
+        f"{len(result['agreement'])} prompts, teacher-forced draft agreement {s['agreement']:.0%}",
+        "- decoding only: the first token (the prompt's prefill, the same in every mode) is left out of both the "
+        "measured and the modelled figures",
+        f"- rerun: `{s['rerun']}`",
+        "",
+        "Speedup over `none`, mean of per-prompt ratios; in brackets the server's idle fraction in the model.",
+        "",
+        "| mode | measured | " + " | ".join(sc.title for sc in SCENARIOS) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in SCENARIOS) + " |",
+    ]
+    for mode in modes:
+        measured = result["measured"].get(mode)
+        cells = [f"{measured:.2f}x" if measured is not None else "–"]
+        for sc in SCENARIOS:
+            m = result["scenarios"][sc.key][mode]
+            cells.append(f"{m['speedup']:.2f}x ({m['server_idle']:.0%})")
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _shown(path: Path) -> str:
+    """A path as the report shows it: relative to the repository when inside it."""
+    path = path.resolve()
+    return str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else path.name
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", type=Path, default=HERE / "results" / "rtt50.json",
+                   help="a bench/run_bench.py result with `none` runs (default: %(default)s)")
+    p.add_argument("--rtt-ms", type=float, default=None, help="which of its RTTs (default: its first)")
+    p.add_argument("--pass-costs", type=Path, default=HERE / "results" / "cpu-passes-onnxruntime.json",
+                   help="a bench/gpu_passes.py result for the same target and machine (default: %(default)s)")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="the ONNX draft directory the run used (default: the default pair's, prepared if need be)")
+    p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
+    p.add_argument("--name", default="replay")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    args = p.parse_args()
+    if not args.bench.is_file() or not args.pass_costs.is_file():
+        p.error(f"need both {args.bench} and {args.pass_costs}: run bench/run_bench.py and bench/gpu_passes.py first")
+
+    bench = json.loads(args.bench.read_text())
+    rtt = args.rtt_ms if args.rtt_ms is not None else bench["network"]["rtt_ms"][0]
+    nones = {r["prompt"]: r for r in bench["runs"] if r["mode"] == "none" and r["rtt_ms"] == rtt}
+    drafts = [r["tokens_per_s"] for r in bench["runs"] if r["mode"] == "draft"]
+    if not nones or not drafts:
+        p.error(f"{args.bench} has no `none` runs at RTT {rtt} ms or no draft-alone runs")
+    costs = pass_costs(json.loads(args.pass_costs.read_text()))
+    link = rm.Link(draft_ms=1000.0 / statistics.fmean(drafts), one_way_ms=rtt / 2)
+
+    from specsplit.edge.drafter import OnnxDrafter  # noqa: PLC0415 (heavy: only once arguments are good)
+    from specsplit.edge.tokenizer import EdgeTokenizer  # noqa: PLC0415
+    from specsplit.server import models  # noqa: PLC0415 (pulls the default pair)
+
+    draft_dir = args.draft or models.prepare().draft_dir
+    tokenizer, drafter = EdgeTokenizer(draft_dir), OnnxDrafter(draft_dir, threads=1)
+    texts = {q["id"]: q["text"] for q in json.loads((HERE / "prompts.json").read_text())["prompts"]}
+    agreements = {}
+    for prompt, run in tqdm(nones.items(), desc="draft agreement", unit="prompt"):
+        drafter.reset()
+        agreements[prompt] = agreement(drafter, tokenizer.encode(tokenizer.chat_prompt(texts[prompt])), run["token_ids"])
+
+    result = {
+        "machine": bench["machine"],
+        "settings": {
+            "bench": _shown(args.bench), "pass_costs": _shown(args.pass_costs), "pass_ms": list(costs.points), "rtt_ms": rtt,
+            "one_way_ms": link.one_way_ms, "draft_ms": link.draft_ms, "sync_k": args.sync_k,
+            "agreement": statistics.fmean(x for a in agreements.values() for x in a),
+            "rerun": f"python bench/replay.py --bench {_shown(args.bench)} --pass-costs {_shown(args.pass_costs)} "
+                     f"--sync-k {' '.join(map(str, args.sync_k))}" + (f" --rtt-ms {rtt:g}" if args.rtt_ms is not None else ""),
+        },
+        "agreement": {k: "".join("1" if x else "0" for x in a) for k, a in agreements.items()},
+        "measured": measured_speedups(bench["runs"], rtt),
+        "scenarios": model_speedups(agreements, costs, link, args.sync_k),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(render(result))
+    print(render(result))
+
+
+if __name__ == "__main__":
+    main()
