@@ -6,7 +6,7 @@ target, and replays `none`, `sync` at each k and `async` (replay_model.py) under
 times measured by bench/gpu_passes.py and the run's own network delay and draft speed.
 Beside what the run measured (decoding only: its first token, the prefill, left out) the
 report gives the model's figure and what-ifs: every pass at the cost of one token's pass,
-and a draft that always agrees. Writes bench/results/<name>.json and a Markdown table.
+half the draft's misses fixed, and a draft that always agrees. Writes bench/results/<name>.json and a Markdown table.
 """
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-
 import replay_model as rm
 from specsplit.edge.drafter import Drafter
+from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,14 +33,6 @@ class Scenario:
     costs: Callable[[rm.PassCosts], rm.PassCosts] = lambda c: c
 
 
-SCENARIOS = [
-    Scenario("model", "the model, as measured"),
-    Scenario("flat_passes", "every pass at a one-token pass's cost", costs=lambda c: c.flat()),
-    Scenario("half_the_misses_fixed", "every second disagreement made an agreement", agreement=lambda a: _fix_half(a)),
-    Scenario("draft_always_right", "a draft that always agrees", agreement=lambda a: [True] * len(a)),
-]
-
-
 def _fix_half(agree: Sequence[bool]) -> list[bool]:
     """A better-matched draft, crudely: every second disagreement becomes an agreement."""
     out, misses = [], 0
@@ -49,6 +40,14 @@ def _fix_half(agree: Sequence[bool]) -> list[bool]:
         misses += not a
         out.append(a or misses % 2 == 0)
     return out
+
+
+SCENARIOS = [
+    Scenario("model", "the model, as measured"),
+    Scenario("flat_passes", "every pass at a one-token pass's cost", costs=lambda c: c.flat()),
+    Scenario("half_the_misses_fixed", "every second disagreement made an agreement", agreement=_fix_half),
+    Scenario("draft_always_right", "a draft that always agrees", agreement=lambda a: [True] * len(a)),
+]
 
 
 def agreement(drafter: Drafter, prompt_ids: Sequence[int], continuation: Sequence[int]) -> list[bool]:
@@ -111,12 +110,12 @@ def render(result: dict) -> str:
     lines = [
         f"# Replay model over `{s['bench']}`",
         "",
-        f"- machine of the measurements: {result['machine']['cpu']}, {result['machine']['cores']} cores; pass times from `{s['pass_costs']}` "
-        f"({', '.join(f'{t} tok {ms:.0f} ms' for t, ms in s['pass_ms'])})",
-        f"- draft {s['draft_ms']:.1f} ms a token (the run's draft-alone speed); one-way delay {s['one_way_ms']:.0f} ms; "
-        f"{len(result['agreement'])} prompts, teacher-forced draft agreement {s['agreement']:.0%}",
-        "- decoding only: the first token (the prompt's prefill, the same in every mode) is left out of both the "
-        "measured and the modelled figures",
+        (f"- machine of the measurements: {result['machine']['cpu']}, {result['machine']['cores']} cores; "
+         f"pass times from `{s['pass_costs']}` ({', '.join(f'{t} tok {ms:.0f} ms' for t, ms in s['pass_ms'])})"),
+        (f"- draft {s['draft_ms']:.1f} ms a token (the run's draft-alone speed); one-way delay {s['one_way_ms']:.0f} ms; "
+         f"{len(result['agreement'])} prompts, teacher-forced draft agreement {s['agreement']:.0%}"),
+        ("- decoding only: the first token (the prompt's prefill, the same in every mode) is left out of both the "
+         "measured and the modelled figures"),
         f"- rerun: `{s['rerun']}`",
         "",
         "Speedup over `none`, mean of per-prompt ratios; in brackets the server's idle fraction in the model.",
@@ -165,9 +164,10 @@ def main() -> None:
     costs = pass_costs(json.loads(args.pass_costs.read_text()))
     link = rm.Link(draft_ms=1000.0 / statistics.fmean(drafts), one_way_ms=rtt / 2)
 
-    from specsplit.edge.drafter import OnnxDrafter  # noqa: PLC0415 (heavy: only once arguments are good)
-    from specsplit.edge.tokenizer import EdgeTokenizer  # noqa: PLC0415
-    from specsplit.server import models  # noqa: PLC0415 (pulls the default pair)
+    # Imported here: loading them is slow, and bad arguments should fail fast.
+    from specsplit.edge.drafter import OnnxDrafter
+    from specsplit.edge.tokenizer import EdgeTokenizer
+    from specsplit.server import models
 
     draft_dir = args.draft or models.prepare().draft_dir
     tokenizer, drafter = EdgeTokenizer(draft_dir), OnnxDrafter(draft_dir, threads=1)

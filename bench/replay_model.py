@@ -14,8 +14,9 @@ ask instead of a benchmark run. No I/O here: `replay.py` feeds it and writes the
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import pairwise
 
 from specsplit.common.acceptance import acceptance_estimate
 from specsplit.edge.lookahead import adaptive_window
@@ -40,7 +41,7 @@ class PassCosts:
         pts = self.points
         if tokens <= pts[0][0]:
             return pts[0][1]
-        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+        for (t0, c0), (t1, c1) in pairwise(pts):
             if tokens <= t1:
                 return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
         return pts[-1][1]
