@@ -199,9 +199,14 @@ def test_a_prefill_is_not_held_back_waiting_for_drafts() -> None:
 
 
 class _EchoEngine(_BucketShapes):
-    """Accepts every draft and adds token 7; keeps each cache's token list as a real engine does."""
+    """Accepts every draft and adds token 7; keeps each cache's token list as a real engine
+    does, and records each pass as (tokens fed, drafts) per session."""
+
+    def __init__(self) -> None:
+        self.passes: list[list[tuple[int, int]]] = []
 
     def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        self.passes.append([(it.feed_length, len(it.drafts)) for it in items])
         for it in items:
             it.kv.tokens = [*it.prefix, *it.drafts]
         return [np.array([*it.drafts, 7]) for it in items]
@@ -209,21 +214,21 @@ class _EchoEngine(_BucketShapes):
 
 def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
     async def main() -> None:
-        worker = VerificationWorker(engine=_EchoEngine(), config=SchedulerConfig())  # type: ignore[arg-type]
-        prompt = tuple(range(1, 41))
-        h = _async_session(worker, "s", prompt)
+        engine = _EchoEngine()
+        worker = VerificationWorker(engine=engine, config=SchedulerConfig())  # type: ignore[arg-type]
+        timed: list[int] = []
+        worker.costs.observe = lambda drafts, seconds: timed.append(drafts)  # type: ignore[method-assign]
+        h = _async_session(worker, "s", tuple(range(1, 41)))
         runner = asyncio.create_task(worker.run())
         try:
-            await asyncio.wait_for(h.outbox.get(), 5)  # the prefill's verdict
-            assert worker.costs.known() == 0
-            seq = [*prompt, 7]
-            h.session.receive_draft(DraftChunk(len(seq), (5, 6), HashedSequence(seq).hash_before(len(seq))))
-            worker.notify()
-            await asyncio.wait_for(h.outbox.get(), 5)  # two drafts verified: a pass of three tokens
-            assert worker.costs.known() == 1
+            while h.session.done is None:  # a pass is timed before its verdict goes out
+                await asyncio.wait_for(h.outbox.get(), 5)
         finally:
             runner.cancel()
             worker.close()
+        prefill, *steps = engine.passes
+        assert prefill == [(40, 0)] and steps
+        assert timed == [drafts for ((_, drafts),) in steps]  # every pass but the prefill
 
     asyncio.run(main())
 
