@@ -15,7 +15,7 @@ ask instead of a benchmark run. No I/O here: `replay.py` feeds it and writes the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 from specsplit.common.acceptance import acceptance_estimate
@@ -102,7 +102,7 @@ class _Line:
 
     start: int
     ident: int
-    tip: int = -1
+    tip: int = field(init=False)
     wrong: int | None = None
 
     def __post_init__(self) -> None:

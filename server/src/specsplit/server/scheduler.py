@@ -137,11 +137,11 @@ class VerificationWorker:
         if mode is DraftMode.SYNC:
             # The classic scheme: wait for the k drafts the edge sends, verify them all.
             return now if available else None
-        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
         if self.config.adaptive and self.config.idle_policy == "adaptive" and self._must_feed(h) > 1:
             # A prefill (or a reconnect's catch-up): the pass costs what the prompt costs, so
             # drafts waited for would add nothing but delay to the first token.
             return now
+        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
         if self.config.adaptive and self.config.idle_policy == "adaptive":
             rate = h.draft_rate(now)
             h.budget, wait = plan(available, limit, alpha, self.costs, rate, self.config.max_wait_s)
