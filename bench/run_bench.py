@@ -23,6 +23,7 @@ from orchestrate import machine, pin, run_edge, running_server
 from report import render_markdown, summarize
 from runlog import RunLog, SettingsMismatch
 
+from specsplit.common.export_meta import DraftExportMeta
 from specsplit.server import models
 from specsplit.server.loading import resolve_dtype
 
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "pinning": f"server on core {SERVER_CORE}; edge, proxy and driver on core {EDGE_CORE}; one thread each",
         "models": {"target": str(pair.target_dir.name), "target_dtype": resolve_dtype("auto", "cpu"),
-                   "draft": str(pair.draft_dir.name), "draft_quantization": "int8"},
+                   "draft": str(pair.draft_dir.name), "draft_quantization": DraftExportMeta.load(pair.draft_dir).weights},
         "network": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit or None,
                     "how": "user-space TCP proxy adding rtt/2 one-way delay in each direction"},
         "settings": {"max_new_tokens": args.max_new_tokens, "window": int(args.window) if args.window.isdigit() else args.window, "sync_k": args.sync_k,

@@ -23,7 +23,7 @@ from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
-from specsplit.server.engine import KVState, TargetEngine, VerifyItem, common_prefix
+from specsplit.server.engine import KVState, TargetEngine, VerifyItem, common_prefix, warm_up
 from specsplit.server.loading import load_model
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, pass_shapes
@@ -69,6 +69,15 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
             assert sorted(engine.free) == list(range(6))  # every slot back
     # fp32 rounding differs with the batch's shape; anything masked wrongly is off by whole units.
     assert worst < 1e-3, worst
+
+
+def test_warm_up_leaves_no_session_behind(tiny) -> None:
+    """The server's start-up passes use a throwaway session: its static slot is given back."""
+    loaded = load_model(str(tiny.target_dir))
+    engine = StaticEngine(loaded, slots=2, max_len=160)
+    warm_up(engine)
+    assert sorted(engine.free) == [0, 1]
+    warm_up(TargetEngine(loaded))  # the dynamic engine keeps nothing to give back; it must just run
 
 
 def _ready_worker(prompt_lengths: list[int], cfg: SchedulerConfig) -> tuple[VerificationWorker, list[str]]:

@@ -15,7 +15,7 @@ log = logging.getLogger("specsplit.server.cli")
 def _serve(args: argparse.Namespace) -> int:
     import torch
 
-    from specsplit.server.engine import TargetEngine
+    from specsplit.server.engine import TargetEngine, warm_up
     from specsplit.server.loading import load_model
     from specsplit.server.scheduler import SchedulerConfig
     from specsplit.server.service import ServeConfig, serve
@@ -65,6 +65,9 @@ def _serve(args: argparse.Namespace) -> int:
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
     else:
         engine = TargetEngine(loaded)
+    t0 = time.monotonic()
+    warm_up(engine)
+    log.info("warmed up in %.1f s", time.monotonic() - t0)
     sched = SchedulerConfig(
         max_verify_tokens=args.max_verify_tokens,
         max_batch_sessions=args.max_batch_sessions,
@@ -109,7 +112,7 @@ def _export(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(
-        f"wrote {args.out}: {meta.num_layers} layers, vocab {meta.vocab_size}, {meta.quantization} weights, "
+        f"wrote {args.out}: {meta.num_layers} layers, vocab {meta.vocab_size}, {meta.weights} weights, "
         f"max |logit diff| vs torch {meta.max_abs_logit_diff:.2e} (tolerance {args.tolerance:.1e})"
     )
     return 0
@@ -247,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge")
     e.add_argument("--model", required=True, help="Hugging Face directory, .gguf file or hub id")
     e.add_argument("--out", required=True, help="output directory (replaced if it exists)")
-    e.add_argument("--quantize", choices=["none", "int8"], default="none", help="int8 dynamic weight quantization")
+    e.add_argument("--quantize", choices=["none", "int8"], default="none", help="int8 dynamic weight quantization, one scale per output channel")
     e.add_argument(
         "--tolerance", type=float, default=5e-3, help="max |logit difference| ONNX Runtime vs torch (fp32 graph)"
     )

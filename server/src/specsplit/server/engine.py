@@ -191,3 +191,15 @@ class TargetEngine:
                 if p:
                     batch[:, :, i, :, width - p :] = s.kv
         return cache_from_tensors([(batch[layer, 0], batch[layer, 1]) for layer in range(layers)])
+
+
+def warm_up(engine: Engine, prompt_tokens: int = 32, drafts: int = 4) -> None:
+    """Run a prefill, a one-token step and a verification on a throwaway session before
+    serving. The first passes of a fresh process pay for paging the weights in and for the
+    math library's first calls (seconds on a CPU); without this the first user's time to
+    first token would carry them, and a benchmark's first run with it."""
+    state = engine.new_state()
+    prompt = list(range(1, prompt_tokens + 1))
+    for prefix, proposed in ((prompt, []), (prompt + [1], []), (prompt + [1, 2], list(range(3, 3 + drafts)))):
+        engine.verify_batch([VerifyItem(state, prefix, proposed, greedy=True)])
+    state.crop(0)  # a static engine's slot goes back

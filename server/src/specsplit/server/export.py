@@ -129,10 +129,19 @@ def parity_check(loaded: LoadedModel, onnx_path: Path) -> ParityReport:
     return ParityReport(worst, agree / total)
 
 
+# One int8 scale per output channel, not one per weight matrix: a handful of outlier
+# weights then stretch only their own channel's scale. For the default 0.5B draft this
+# brought the int8 draft's greedy agreement with the 1.5B target from 81% to 84% (the fp32
+# draft's figure) for a tenth more time per token. Recorded in the export's metadata so that
+# an export made with the older per-tensor scheme is redone.
+INT8_SCHEME = "per-channel"
+
+
 def quantize_int8(src: Path, dst: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, use_external_data_format=False)
+    quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                     use_external_data_format=False)
 
 
 def export_draft(
@@ -170,7 +179,8 @@ def export_draft(
             quantize_int8(fp32, final / MODEL_FILE)
             q = parity_check(loaded, final / MODEL_FILE)
             log.info("int8: max |logit diff| %.2e, top-1 agreement %.3f", q.max_abs_diff, q.top1_agreement)
-            extra = {"int8_max_abs_logit_diff": q.max_abs_diff, "int8_top1_agreement": q.top1_agreement}
+            extra = {"int8_scheme": INT8_SCHEME, "int8_max_abs_logit_diff": q.max_abs_diff,
+                     "int8_top1_agreement": q.top1_agreement}
         else:
             for f in fp32.parent.iterdir():
                 shutil.move(str(f), final / f.name)

@@ -258,14 +258,16 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
 def prepare_draft(gguf: Path, out: Path) -> Path:
     """Export a GGUF draft once to an int8 ONNX directory for the edge."""
     from specsplit.common.export_meta import DraftExportMeta
-    from specsplit.server.export import export_draft
+    from specsplit.server.export import INT8_SCHEME, export_draft
     from specsplit.server.loading import source_sha256
 
     try:
         meta = DraftExportMeta.load(out)
         if meta.source_sha256 == source_sha256(str(gguf)) and meta.quantization == "int8":
-            log.info("%s: already prepared", out)
-            return out
+            if meta.extra.get("int8_scheme") == INT8_SCHEME:
+                log.info("%s: already prepared", out)
+                return out
+            log.info("%s: made with an older int8 scheme; exporting it again (%s scales)", out, INT8_SCHEME)
     except FileNotFoundError:
         pass
     log.info("exporting %s to int8 ONNX (about a minute)", gguf.name)

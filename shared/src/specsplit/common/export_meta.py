@@ -25,6 +25,12 @@ class DraftExportMeta:
     dtype: str = "float32"
     extra: dict = field(default_factory=dict)
 
+    @property
+    def weights(self) -> str:
+        """How the weights are stored, for reports: `none`, `int8`, `int8 per-channel`."""
+        scheme = self.extra.get("int8_scheme")
+        return f"{self.quantization} {scheme}" if scheme else self.quantization
+
     def save(self, directory: Path) -> None:
         (directory / META_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
