@@ -1,4 +1,4 @@
-"""Faster fp32 linear layers on CPU for verification-sized batches.
+"""Faster fp32 linear layers on CPU, for every pass size.
 
 A verification feeds the target a handful of tokens at once. PyTorch's default CPU GEMM
 handles a few rows poorly: on a 2-core AVX2 server a whole 1.5B pass over 2 tokens cost
@@ -6,8 +6,9 @@ twice one over 1 token, and 8 tokens about three times, although the pass reads 
 weights and a single core could do the arithmetic for about 9 tokens in the time the
 weights take to stream from memory. ONNX Runtime's GEMM (MLAS) packs the weights once,
 when the layer is built, and keeps small batches near memory speed: the same passes cost
-1.2x (2 tokens) and 1.7x (8 tokens) one token. Single-token steps stay on PyTorch's path,
-which is as quick there. Measured per pass size by `bench/gpu_passes.py --target default
+1.2x (2 tokens) and 1.7x (8 tokens) one token. On an AVX-512 server it is also the quicker
+path for a single token (201 against 309 ms a pass, one thread), so every pass takes it,
+single-token steps included. Measured per pass size by `bench/gpu_passes.py --target default
 --device cpu --cpu-linear ...` (`bench/results/cpu-passes-*.md`).
 """
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
-MIN_ROWS = 2  # fewer rows than this stay on PyTorch's own path
 # Smaller layers stay on PyTorch's path: their weights are read from cache in microseconds,
 # and a call into ONNX Runtime costs a few tens of them (the tests' tiny models).
 MIN_WEIGHTS = 1 << 18
@@ -48,14 +48,13 @@ def _external(name: str, array: np.ndarray) -> TensorProto:
 
 
 class MlasLinear(nn.Module):
-    """Wraps an fp32 nn.Linear: ONNX Runtime for >= MIN_ROWS rows, the original below."""
+    """Wraps an fp32 nn.Linear: ONNX Runtime at inference, the original where autograd is on."""
 
     def __init__(self, linear: nn.Linear, threads: int) -> None:
         super().__init__()
         self.linear = linear
         # Gemm with transB takes PyTorch's (out, in) weight as it is, handed over without a copy;
-        # the session packs its own copy once, when it is built. The layer keeps the original
-        # for single-token steps.
+        # the session packs its own copy once, when it is built.
         inits = {"w": linear.weight.detach().numpy()}
         if linear.bias is not None:
             inits["b"] = linear.bias.detach().numpy()
@@ -72,7 +71,7 @@ class MlasLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows < MIN_ROWS or x.dtype != torch.float32 or torch.is_grad_enabled():
+        if x.dtype != torch.float32 or torch.is_grad_enabled():
             return self.linear(x)
         (y,) = self.session.run(None, {"x": x.reshape(rows, -1).contiguous().numpy()})
         return torch.from_numpy(y).reshape(*x.shape[:-1], self.linear.out_features)
