@@ -54,11 +54,11 @@ bench-rtt50: $(STAMP)
 	$(PY) bench/run_bench.py --name rtt50 --rtt-ms 50 --max-new-tokens 64 --sync-k 2 4 6 8 --no-hf $(BENCH_ARGS)
 
 # What each mode can reach with these models and this target speed, and what-ifs, from the
-# full sweep's 12 prompts at RTT 50 ms (bench/results/full.json) and the target's pass times
-# on this CPU in bf16 (bench/results/cpu-passes-bf16.json, from bench/gpu_passes.py): a model,
-# in about a minute (most of it the draft run teacher-forced over every prompt).
+# 12-prompt RTT 50 ms run (bench/results/rtt50.json) and the target's pass times on this CPU
+# (bench/results/cpu-passes-onnxruntime.json, from bench/gpu_passes.py): a model, in about a
+# minute (most of it the draft run teacher-forced over every prompt).
 bench-replay: $(STAMP)
-	$(PY) bench/replay.py --bench bench/results/full.json --rtt-ms 50 --pass-costs bench/results/cpu-passes-bf16.json
+	$(PY) bench/replay.py --bench bench/results/rtt50.json --pass-costs bench/results/cpu-passes-onnxruntime.json
 
 # 64 concurrent sessions for 5 minutes with tiny models: zero errors, flat server memory.
 soak: $(STAMP)

@@ -22,6 +22,16 @@ def _reference(runs: list[dict]) -> dict:
     return ref
 
 
+def _per_position(runs: list[dict]) -> float | None:
+    """Accepted drafts over accepted drafts plus rejections, pooled over the runs (None for
+    runs recorded before edges counted rejections, or without drafts)."""
+    if any("rejections" not in r for r in runs):
+        return None
+    accepted = sum(r["drafts_accepted"] for r in runs)
+    judged = accepted + sum(r["rejections"] for r in runs)
+    return accepted / judged if judged else None
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     ref = _reference(runs)
     groups: dict = defaultdict(list)
@@ -47,6 +57,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "itl_p50_ms": _mean(r.get("itl_p50_ms") for r in g),
             "itl_p99_ms": _mean(r.get("itl_p99_ms") for r in g),
             "acceptance_rate": _mean(r.get("acceptance_rate") for r in g),
+            "acceptance_per_position": _per_position(g),
             "mean_accepted": _mean(r.get("mean_accepted") for r in g),
             "drafts_wasted": sum(r.get("drafts_wasted", 0) for r in g),
             "verifications": sum(r.get("verifications", 0) for r in g),
@@ -121,15 +132,16 @@ def render_markdown(result: dict) -> str:
         "Means over the prompt set; speedup is the mean of per-prompt ratios to `none` at the same RTT. "
         "ITL is the gap between consecutive committed tokens (0 within one verdict).",
         "",
-        "| RTT ms | mode | prompts | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | accepted/verif | wasted | verifs "
+        "| RTT ms | mode | prompts | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | per position | accepted/verif | wasted | verifs "
         "| server idle | B up/tok | B down/tok | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["summary"]:
         lines.append(
             f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {r['prompts']} | {_fmt(r['tokens_per_s'])} "
             f"| {_fmt(r['speedup_vs_none'])}x | {_fmt(r['ttft_ms'], '.0f')} "
             f"| {_fmt(r['itl_p50_ms'], '.0f')}/{_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['acceptance_rate'], '.0%')} "
+            f"| {_fmt(r['acceptance_per_position'], '.0%')} "
             f"| {_fmt(r['mean_accepted'])} | {r['drafts_wasted']} | {r['verifications']} "
             f"| {_fmt(r['server_idle_fraction'], '.0%')} | {_fmt(r['bytes_up_per_token'], '.1f')} "
             f"| {_fmt(r['bytes_down_per_token'], '.1f')} | {_fmt(r['identical'])} |"

@@ -127,7 +127,6 @@ class _Generation:
         self.edge: EdgeSession | None = None
         self._changed = asyncio.Event()
         self._verdicts = 0
-        self._rejections = 0  # verdicts that stopped short of the drafts they verified
         self._max_window = cfg.window
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self.stall_timeout_s: float | None = None
@@ -159,7 +158,7 @@ class _Generation:
     def _lookahead(self) -> int:
         if not self.cfg.adaptive_window:
             return self._max_window
-        return adaptive_window(self.stats.drafts_accepted, self._rejections, self._max_window)
+        return adaptive_window(self.stats.drafts_accepted, self.stats.rejections, self._max_window)
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -205,7 +204,6 @@ class _Generation:
                 edge.apply_verdict(event)
                 self._verdicts += 1
                 self.stats.add_verdict(event, now)
-                self._rejections += event.accepted < event.proposed
                 if self.cfg.mode == "async":
                     edge.window = self._lookahead()
                 self.commit_times.extend([now] * len(event.tokens))

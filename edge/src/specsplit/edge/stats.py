@@ -19,7 +19,11 @@ class GenerationStats:
     verifications: int = 0
     drafts_proposed: int = 0  # drafts the server verified
     drafts_accepted: int = 0
-    acceptance_rate: float = 0.0
+    acceptance_rate: float = 0.0  # accepted / proposed: counts the drafts a verification took past its rejection
+    rejections: int = 0  # verifications that stopped at a rejected draft
+    # accepted / (accepted + rejections): how often a draft is right where the one before it
+    # was, the per-position acceptance a simulated edge's alpha stands for
+    acceptance_per_position: float = 0.0
     mean_accepted: float = 0.0  # accepted drafts per verification
     drafts_made: int = 0
     drafts_wasted: int = 0
@@ -38,6 +42,7 @@ class GenerationStats:
         self.verifications += 1
         self.drafts_proposed += v.proposed
         self.drafts_accepted += v.accepted
+        self.rejections += v.accepted < v.proposed
 
     def finish(self, edge: EdgeSession, elapsed_s: float, commit_times: list[float]) -> None:
         self.tokens = len(edge.generated)
@@ -49,6 +54,8 @@ class GenerationStats:
         self.elapsed_s = elapsed_s
         self.tokens_per_s = self.tokens / elapsed_s if elapsed_s > 0 else 0.0
         self.acceptance_rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+        judged = self.drafts_accepted + self.rejections
+        self.acceptance_per_position = self.drafts_accepted / judged if judged else 0.0
         self.mean_accepted = self.drafts_accepted / self.verifications if self.verifications else 0.0
         self.drafts_made = edge.drafted
         self.drafts_wasted = edge.wasted

@@ -1,0 +1,36 @@
+"""The benchmark's per-position acceptance: what a simulated edge's alpha stands for."""
+from __future__ import annotations
+
+from report import summarize
+
+from specsplit.edge.stats import GenerationStats
+from specsplit.protocol.messages import Verdict
+
+
+def _verdict(accepted: int, proposed: int) -> Verdict:
+    return Verdict(start=0, tokens=(1,) * (accepted + 1), accepted=accepted, proposed=proposed, candidate_tip=0)
+
+
+def test_the_edge_counts_verifications_that_stopped_at_a_rejection() -> None:
+    stats = GenerationStats(mode="async")
+    for accepted, proposed in [(4, 4), (2, 6), (0, 3), (1, 1)]:
+        stats.add_verdict(_verdict(accepted, proposed), 0.0)
+    assert stats.rejections == 2
+    stats.finish(type("Edge", (), {"generated": [], "drafted": 0, "wasted": 0})(), 1.0, [])
+    # 7 drafts accepted; 2 rejected where the one before was right. Per proposed draft it is 7/14.
+    assert stats.acceptance_per_position == 7 / 9 and stats.acceptance_rate == 0.5
+
+
+def _run(prompt: str, accepted: int, rejections: int | None) -> dict:
+    run = {"mode": "async", "rtt_ms": 50, "prompt": prompt, "tokens": 8, "tokens_per_s": 1.0, "token_ids": [1],
+           "drafts_accepted": accepted}
+    if rejections is not None:
+        run["rejections"] = rejections
+    return run
+
+
+def test_the_report_pools_per_position_acceptance_over_prompts() -> None:
+    (row,) = summarize([_run("a", 9, 1), _run("b", 1, 1)])
+    assert row["acceptance_per_position"] == 10 / 12  # pooled, not the mean of 0.9 and 0.5
+    (older,) = summarize([_run("a", 9, 1), _run("b", 1, None)])
+    assert older["acceptance_per_position"] is None  # a run from before edges counted rejections
