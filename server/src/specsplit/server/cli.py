@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
         from specsplit.server.cpu_linear import use_mlas_linears
 
-        log.info("ONNX Runtime linears for multi-token passes: %d layers", use_mlas_linears(loaded.model))
+        log.info("ONNX Runtime linears: %d layers", use_mlas_linears(loaded.model))
     if args.engine == "static":
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len)
         log.info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
