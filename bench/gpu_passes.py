@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help="time a real model's weights instead of --arch configs: a model directory, "
                    "or 'default' for the default pair's target (prepared into the model cache if needed)")
     p.add_argument("--cpu-linear", choices=["default", "onnxruntime"], default="default",
-                   help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for multi-token passes)")
+                   help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for the linear layers, fp32 only)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--name", default=None, help="default: gpu-passes-ENGINE")
     args = p.parse_args(argv)

@@ -184,7 +184,8 @@ def main() -> None:
             "one_way_ms": link.one_way_ms, "draft_ms": link.draft_ms, "sync_k": args.sync_k,
             "agreement": statistics.fmean(x for a in agreements.values() for x in a),
             "rerun": f"python bench/replay.py --bench {_shown(args.bench)} --pass-costs {_shown(args.pass_costs)} "
-                     f"--sync-k {' '.join(map(str, args.sync_k))}" + (f" --rtt-ms {rtt:g}" if args.rtt_ms is not None else ""),
+                     f"--sync-k {' '.join(map(str, args.sync_k))}" + (f" --rtt-ms {rtt:g}" if args.rtt_ms is not None else "")
+                     + (f" --name {args.name}" if args.name != "replay" else ""),
         },
         "agreement": {k: "".join("1" if x else "0" for x in a) for k, a in agreements.items()},
         "measured": measured_speedups(bench["runs"], rtt),

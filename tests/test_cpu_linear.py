@@ -50,3 +50,9 @@ def test_more_threads_give_the_same_output() -> None:
     with torch.no_grad():
         for linear in layers:
             torch.testing.assert_close(MlasLinear(linear, threads=2)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_empty_batch_stays_on_pytorchs_path() -> None:
+    wrapped = MlasLinear(nn.Linear(48, 80), threads=1)
+    with torch.no_grad():
+        assert wrapped(torch.randn(1, 0, 48)).shape == (1, 0, 80)

@@ -71,7 +71,7 @@ class MlasLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if x.dtype != torch.float32 or torch.is_grad_enabled():
+        if rows == 0 or x.dtype != torch.float32 or torch.is_grad_enabled():
             return self.linear(x)
         (y,) = self.session.run(None, {"x": x.reshape(rows, -1).contiguous().numpy()})
         return torch.from_numpy(y).reshape(*x.shape[:-1], self.linear.out_features)

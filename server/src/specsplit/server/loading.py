@@ -19,7 +19,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     Not bf16 on a CPU, even one with native bf16 (AVX512-BF16, AMX), where its multi-token
     passes are cheaper: there a row's logits depend on how many tokens its pass fed, by up
     to a quarter of a logit, so greedy verification drifts from what the target alone
-    produces one token at a time (3 of 12 benchmark prompts differed within 64 tokens). fp32
+    produces one token at a time (6 of 12 benchmark prompts differed in some mode within 64 tokens). fp32
     rows differ by about 3e-5 and no output did. `--dtype bf16` remains, for speed over
     exactness."""
     if dtype != "auto":
