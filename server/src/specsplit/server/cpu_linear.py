@@ -7,7 +7,7 @@ weights and a single core could do the arithmetic for about 9 tokens in the time
 weights take to stream from memory. ONNX Runtime's GEMM (MLAS) packs the weights once,
 when the layer is built, and keeps small batches near memory speed: the same passes cost
 1.2x (2 tokens) and 1.7x (8 tokens) one token. On an AVX-512 server it is also the quicker
-path for a single token (201 against 309 ms a pass, one thread), so every pass takes it,
+path for a single token (212 against 294 ms a pass, one thread), so every pass takes it,
 single-token steps included. Measured per pass size by `bench/gpu_passes.py --target default
 --device cpu --cpu-linear ...` (`bench/results/cpu-passes-*.md`).
 """
