@@ -25,7 +25,7 @@ class Models:
         if self.draft_dir is not None:
             meta = DraftExportMeta.load(self.draft_dir)
             out["draft"] = {"name": self.draft_name, "num_layers": meta.num_layers, "vocab_size": meta.vocab_size,
-                            "quantization": meta.quantization, "weights": meta.weights}
+                            "quantization": meta.weights}
         return out
 
 

@@ -67,8 +67,7 @@ def _describe_models(models: dict) -> list[str]:
              f"vocab {c['vocab_size']}; {t['dtype']} on {t['device']}"]
     if models.get("draft"):
         d = models["draft"]
-        stored = d.get("weights", d["quantization"])  # reports from before the int8 scheme was recorded
-        weights = "unquantized" if stored == "none" else stored
+        weights = "unquantized" if d["quantization"] == "none" else d["quantization"]
         lines.append(f"- draft (onnx edges): {d['name']}: layers {d['num_layers']}, vocab {d['vocab_size']}, "
                      f"{weights}; ONNX Runtime on CPU, one thread per edge")
     return lines

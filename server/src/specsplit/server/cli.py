@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge")
     e.add_argument("--model", required=True, help="Hugging Face directory, .gguf file or hub id")
     e.add_argument("--out", required=True, help="output directory (replaced if it exists)")
-    e.add_argument("--quantize", choices=["none", "int8"], default="none", help="int8 dynamic weight quantization, one scale per output channel")
+    e.add_argument("--quantize", choices=["none", "int8"], default="none",
+                   help="int8 dynamic weight quantization, one scale per output channel")
     e.add_argument(
         "--tolerance", type=float, default=5e-3, help="max |logit difference| ONNX Runtime vs torch (fp32 graph)"
     )

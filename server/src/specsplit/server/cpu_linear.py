@@ -48,7 +48,8 @@ def _external(name: str, array: np.ndarray) -> TensorProto:
 
 
 class MlasLinear(nn.Module):
-    """Wraps an fp32 nn.Linear: ONNX Runtime at inference, the original where autograd is on."""
+    """Wraps an fp32 nn.Linear: ONNX Runtime at inference; the original under autograd, for
+    other dtypes and for an empty batch."""
 
     def __init__(self, linear: nn.Linear, threads: int) -> None:
         super().__init__()
