@@ -4,6 +4,8 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from specsplit.common.acceptance import observed_acceptance
+
 MODE_ORDER = ["none", "sync-2", "sync-4", "sync-6", "sync-8", "async", "draft", "hf-assisted"]
 
 
@@ -27,9 +29,7 @@ def _per_position(runs: list[dict]) -> float | None:
     runs recorded before edges counted rejections, or without drafts)."""
     if any("rejections" not in r for r in runs):
         return None
-    accepted = sum(r["drafts_accepted"] for r in runs)
-    judged = accepted + sum(r["rejections"] for r in runs)
-    return accepted / judged if judged else None
+    return observed_acceptance(sum(r["drafts_accepted"] for r in runs), sum(r["rejections"] for r in runs))
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specsplit.common.acceptance import observed_acceptance
+
 
 def itl_ms(commit_times: Sequence[float]) -> list[float]:
     """Gaps between consecutive committed tokens, as the client's stats count them:
@@ -62,8 +64,7 @@ class Acceptance:
         """Chance that a draft is accepted given that the drafts before it were: the
         per-position alpha a drafter is built with (accepted / proposed is lower, since it
         also counts the drafts after a rejection, which are never really in question)."""
-        judged = self.accepted + self.rejections
-        return self.accepted / judged if judged else None
+        return observed_acceptance(self.accepted, self.rejections)
 
 
 def acceptance(timeline: Sequence[tuple]) -> Acceptance:

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from specsplit.common.acceptance import observed_acceptance
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import Verdict
 
@@ -54,8 +55,7 @@ class GenerationStats:
         self.elapsed_s = elapsed_s
         self.tokens_per_s = self.tokens / elapsed_s if elapsed_s > 0 else 0.0
         self.acceptance_rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
-        judged = self.drafts_accepted + self.rejections
-        self.acceptance_per_position = self.drafts_accepted / judged if judged else 0.0
+        self.acceptance_per_position = observed_acceptance(self.drafts_accepted, self.rejections) or 0.0
         self.mean_accepted = self.drafts_accepted / self.verifications if self.verifications else 0.0
         self.drafts_made = edge.drafted
         self.drafts_wasted = edge.wasted
