@@ -24,7 +24,7 @@ from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, common_prefix, warm_up
-from specsplit.server.loading import load_model, resolve_dtype
+from specsplit.server.loading import cpu_has_fast_bf16, load_model, resolve_dtype
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, pass_shapes
 from conftest import free_port, launch_server
@@ -71,11 +71,12 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
     assert worst < 1e-3, worst
 
 
-def test_cpu_serving_defaults_to_fp32() -> None:
-    """On a CPU a bf16 row's logits depend on how many tokens its pass fed (docs/benchmarks.md),
-    so greedy verification there is only exact in fp32, whatever bf16 support the CPU has."""
-    assert resolve_dtype("auto", "cpu") == "fp32"
+def test_auto_dtype_is_bf16_only_where_it_is_fast() -> None:
+    """bf16 on a CPU without native bf16 would make multi-token passes dearer, not cheaper;
+    where the CPU has it, tests/test_row_invariant.py shows it stays exact."""
+    assert resolve_dtype("auto", "cpu") == ("bf16" if cpu_has_fast_bf16() else "fp32")
     assert resolve_dtype("auto", "cuda") == "bf16"
+    assert resolve_dtype("fp32", "cpu") == "fp32"
 
 
 def test_warm_up_leaves_no_session_behind(tiny) -> None:

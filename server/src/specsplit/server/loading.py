@@ -9,22 +9,31 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specsplit.common.fingerprint import vocab_fingerprint
+from specsplit.server.row_invariant import make_rows_invariant
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """`auto`: bf16 on GPUs, fp32 on CPUs.
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are only fast on CPUs with native bf16 (AVX512-BF16 or AMX); elsewhere
+    they fall back to a kernel whose cost grows linearly with the number of tokens, which
+    defeats verifying many drafts in one pass."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
-    Not bf16 on a CPU, even one with native bf16 (AVX512-BF16, AMX), where its multi-token
-    passes are cheaper: there a row's logits depend on how many tokens its pass fed, by up
-    to a quarter of a logit, so greedy verification drifts from what the target alone
-    produces one token at a time (6 of 12 benchmark prompts differed in some mode within 64 tokens). fp32
-    rows differ by about 3e-5 and no output did. `--dtype bf16` remains, for speed over
-    exactness."""
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`auto`: bf16 on GPUs and on CPUs with native bf16, else fp32.
+
+    On such a CPU a bf16 pass over 8 tokens costs little more than one over 1 token, where
+    an fp32 one costs nearly twice as much; a bf16 model on CPU is loaded so that its rows do
+    not depend on the pass's size (`row_invariant`), which keeps greedy verification exact."""
     if dtype != "auto":
         return dtype
-    return "bf16" if device != "cpu" else "fp32"
+    return "bf16" if device != "cpu" or cpu_has_fast_bf16() else "fp32"
 
 
 @dataclass
@@ -106,6 +115,8 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **extra)
     model.to(device).eval()
+    if device == "cpu" and dtype == "bf16":
+        make_rows_invariant(model)
     return LoadedModel(model, tokenizer, path)
 
 

@@ -1,0 +1,53 @@
+"""bf16 on CPU with a row's logits independent of how many tokens its pass feeds.
+
+Greedy verification is lossless only if the target scores a position the same whether
+the position came alone (a server-only step) or among drafts (a verification). In fp32 the
+rows differ by about 3e-5 and no greedy choice flips; in bf16 PyTorch's CPU kernels gave
+rows up to a quarter of a logit apart, flipping near-tied choices. Two kernel choices did
+that, and both depend only on the pass's shape:
+
+- a linear layer over a single row takes a vector kernel, over two or more a matrix kernel,
+  and the two sum in different orders. The matrix kernel gives a row the same bits whether
+  its pass holds 2 rows or 16, at any position among them;
+- scaled-dot-product attention's CPU kernel splits its queries into blocks by the pass's
+  size. The eager path (a matmul, a softmax in fp32, a matmul) gives every query row the
+  same bits.
+
+So a lone row goes through every linear as two copies of itself (two rows cost what one
+does: the weights are read once either way), and attention takes the eager path. Shown
+bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by
+`bench/gpu_passes.py --target default --device cpu --dtype bf16` (its divergence check:
+`bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in its own attention
+and is not made so.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+
+class PairedRowLinear(nn.Module):
+    """Wraps a bf16 nn.Linear so that a one-row product goes through as two copies of the row."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != x.shape[-1]:
+            return self.linear(x)
+        row = x.reshape(1, -1)
+        return self.linear(torch.cat((row, row)))[:1].reshape(*x.shape[:-1], self.linear.out_features)
+
+
+def make_rows_invariant(model: PreTrainedModel) -> int:
+    """Eager attention, and every bf16 nn.Linear on CPU wrapped in PairedRowLinear; returns how many."""
+    model.set_attn_implementation("eager")
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+                setattr(module, name, PairedRowLinear(child))
+                swapped += 1
+    return swapped

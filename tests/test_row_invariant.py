@@ -1,0 +1,87 @@
+"""bf16 on CPU: a row's logits are the same bits whatever its pass's size (row_invariant).
+
+Greedy verification is only exact if the target scores a position identically alone (a
+server-only step) and among drafts or other sessions (a verification). The check runs a
+session one token at a time, then feeds the same tokens as drafts in passes of 3 and 5,
+and beside another session of a different length, and compares every logit row bitwise.
+The same check on the model as PyTorch runs it by default must find a difference, or the
+first check would prove nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specsplit.server.engine import TargetEngine, VerifyItem
+from specsplit.server.loading import LoadedModel, cpu_has_fast_bf16
+from specsplit.server.row_invariant import PairedRowLinear, make_rows_invariant
+
+pytestmark = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16; serving stays in fp32 there")
+
+STEPS = 12
+
+
+def _model(seed: int = 0) -> Qwen2ForCausalLM:
+    # As wide as the default target (1536): narrower layers get the same bits from a one-row
+    # product as from a matrix one, and would not show what pairing lone rows is for.
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=512, hidden_size=1536, intermediate_size=1536, num_hidden_layers=2,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256)
+    return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def _rows(engine: TargetEngine, prompt: list[int], tokens: list[int], chunk: int,
+          other: list[int] | None = None) -> list[np.ndarray]:
+    """Logit rows for the positions after `prompt`, feeding `tokens` `chunk` at a time (the
+    first of each chunk as committed, the rest as drafts), with `other` in every pass."""
+    state, other_state = engine.new_state(), engine.new_state()
+    rows: list[np.ndarray] = []
+    while len(rows) < len(tokens):
+        done = len(rows)
+        items = [VerifyItem(state, prompt + tokens[:done], tokens[done:done + chunk - 1])]
+        if other is not None:
+            items.append(VerifyItem(other_state, other + tokens[:done], []))
+        rows.extend(engine.verify_batch(items)[0])
+    return rows[: len(tokens)]
+
+
+def _compare(model: Qwen2ForCausalLM) -> list[bool]:
+    engine = TargetEngine(LoadedModel(model, None, "test"))  # type: ignore[arg-type]
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(0, 512, 9)]
+    other = [int(t) for t in rng.integers(0, 512, 21)]
+    tokens = [int(t) for t in rng.integers(0, 512, STEPS)]
+    alone = _rows(engine, prompt, tokens, 1)
+    return [all(np.array_equal(a, b) for a, b in zip(alone, _rows(engine, prompt, tokens, chunk, extra)))
+            for chunk, extra in ((3, None), (5, None), (1, other), (4, other))]
+
+
+@torch.inference_mode()
+def test_bf16_rows_do_not_depend_on_the_pass() -> None:
+    model = _model()
+    assert make_rows_invariant(model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    assert _compare(model) == [True, True, True, True]
+
+
+@torch.inference_mode()
+def test_pytorch_default_bf16_rows_do_depend_on_the_pass() -> None:
+    """The controls: with PyTorch's attention, or with lone rows going through alone, some
+    pass size gives some row other bits."""
+    assert not all(_compare(_model()))
+    model = _model()
+    model.set_attn_implementation("eager")
+    assert not all(_compare(model))
+
+
+def test_paired_row_linear_equals_the_two_row_kernel() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 384).to(torch.bfloat16)
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    paired = PairedRowLinear(linear)
+    with torch.inference_mode():
+        whole = linear(x)
+        for i in range(5):
+            assert torch.equal(paired(x[i : i + 1]), whole[i : i + 1])
+        assert paired(x[None, 2:3]).shape == (1, 1, 384)
