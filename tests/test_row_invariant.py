@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specsplit.server.engine import TargetEngine, VerifyItem
 from specsplit.server.loading import LoadedModel, cpu_has_fast_bf16
-from specsplit.server.row_invariant import PairedRowLinear, make_rows_invariant
+from specsplit.server.row_invariant import PairedRowLinear, make_rows_invariant, row_invariant_attention
 
 pytestmark = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16; serving stays in fp32 there")
 
@@ -85,3 +85,41 @@ def test_paired_row_linear_equals_the_two_row_kernel() -> None:
         for i in range(5):
             assert torch.equal(paired(x[i : i + 1]), whole[i : i + 1])
         assert paired(x[None, 2:3]).shape == (1, 1, 384)
+
+
+def _padded_cases() -> list[tuple[torch.Tensor, ...]]:
+    """(query, keys, values) of one row alone, at lengths and left paddings a batch makes."""
+    torch.manual_seed(0)
+    cases = []
+    for length in range(20, 120, 3):
+        for pad in (1, 5, 13, 16, 31):
+            q = torch.randn(1, 12, 1, 128, dtype=torch.bfloat16)
+            k, v = (torch.randn(1, 2, length, 128, dtype=torch.bfloat16) for _ in range(2))
+            cases.append((q, k, v, pad))
+    return cases
+
+
+def _alone_and_left_padded(attention) -> list[bool]:  # type: ignore[no-untyped-def]
+    layer = _model().model.layers[0].self_attn
+    same = []
+    for q, k, v, pad in _padded_cases():
+        alone = attention(layer, q, k, v, None, scaling=128**-0.5)[0]
+        # A batch of two: this row left-padded by `pad`, beside a row that is not.
+        zeros = torch.zeros(1, 2, pad, 128, dtype=torch.bfloat16)
+        keys = torch.cat([torch.cat([zeros, k], 2), torch.randn_like(torch.cat([zeros, k], 2))])
+        values = torch.cat([torch.cat([zeros, v], 2), torch.randn_like(torch.cat([zeros, v], 2))])
+        mask = torch.zeros(2, 1, 1, pad + k.shape[2], dtype=torch.bfloat16)
+        mask[0, ..., :pad] = torch.finfo(torch.bfloat16).min
+        batched = attention(layer, torch.cat([q, torch.randn_like(q)]), keys, values, mask, scaling=128**-0.5)[0]
+        same.append(torch.equal(batched[:1], alone))
+    return same
+
+
+@torch.inference_mode()
+def test_left_padding_does_not_change_a_row() -> None:
+    """Eager attention over a left-padded row sums in other lanes than alone (the control
+    finds some case that differs); row_invariant_attention skips the padding."""
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    assert all(_alone_and_left_padded(row_invariant_attention))
+    assert not all(_alone_and_left_padded(eager_attention_forward))

@@ -11,10 +11,14 @@ that, and both depend only on the pass's shape:
   its pass holds 2 rows or 16, at any position among them;
 - scaled-dot-product attention's CPU kernel splits its queries into blocks by the pass's
   size. The eager path (a matmul, a softmax in fp32, a matmul) gives every query row the
-  same bits.
+  same bits, and masked keys after a row's own cost nothing, but masked keys before them
+  do: a batch left-pads the shorter sessions' caches, which shifts where their keys fall
+  in the vector lanes of the softmax's sum and of the product with the values (3 of 170
+  random cases came out other bits).
 
 So a lone row goes through every linear as two copies of itself (two rows cost what one
-does: the weights are read once either way), and attention takes the eager path. Shown
+does: the weights are read once either way), and attention is the model's own eager
+attention, run per batch row from the first key that row can see. Shown
 bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by
 `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its divergence check:
 `bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in its own attention
@@ -22,9 +26,14 @@ and is not made so.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+ATTENTION = "specsplit_row_invariant"
 
 
 class PairedRowLinear(nn.Module):
@@ -41,9 +50,32 @@ class PairedRowLinear(nn.Module):
         return self.linear(torch.cat((row, row)))[:1].reshape(*x.shape[:-1], self.linear.out_features)
 
 
+def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The model's eager attention, each batch row over its keys from the first it may see.
+
+    `attention_mask` is eager's additive mask [batch, 1, queries, keys]; a key no query of a
+    row may see is left padding."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if attention_mask is None:
+        return eager(module, query, key, value, None, **kwargs)[0], None
+    visible = (attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min).any(dim=1)
+    firsts = visible.to(torch.int8).argmax(dim=1).tolist()  # argmax: the first visible key
+    if not any(firsts):
+        return eager(module, query, key, value, attention_mask, **kwargs)[0], None
+    rows = [eager(module, query[b : b + 1], key[b : b + 1, :, first:], value[b : b + 1, :, first:],
+                  attention_mask[b : b + 1, :, :, first:], **kwargs)[0] for b, first in enumerate(firsts)]
+    return torch.cat(rows), None
+
+
+AttentionInterface.register(ATTENTION, row_invariant_attention)
+AttentionMaskInterface.register(ATTENTION, eager_mask)
+
+
 def make_rows_invariant(model: PreTrainedModel) -> int:
-    """Eager attention, and every bf16 nn.Linear on CPU wrapped in PairedRowLinear; returns how many."""
-    model.set_attn_implementation("eager")
+    """Row-invariant attention, and every bf16 nn.Linear on CPU wrapped in PairedRowLinear;
+    returns how many."""
+    model.set_attn_implementation(ATTENTION)
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
