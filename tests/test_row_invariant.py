@@ -15,8 +15,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specsplit.server.engine import TargetEngine, VerifyItem
-from specsplit.server.loading import LoadedModel, cpu_has_fast_bf16
-from specsplit.server.row_invariant import PairedRowLinear, make_rows_invariant, row_invariant_attention
+from specsplit.server.loading import LoadedModel, cpu_has_fast_bf16, load_model
+from specsplit.server.row_invariant import ATTENTION, PairedRowLinear, make_rows_invariant, row_invariant_attention
 
 pytestmark = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16; serving stays in fp32 there")
 
@@ -123,3 +123,13 @@ def test_left_padding_does_not_change_a_row() -> None:
 
     assert all(_alone_and_left_padded(row_invariant_attention))
     assert not all(_alone_and_left_padded(eager_attention_forward))
+
+
+def test_loading_bf16_on_cpu_makes_rows_invariant(tiny) -> None:
+    """The server loads through load_model: bf16 on CPU must come out row-invariant, fp32 untouched."""
+    bf16 = load_model(str(tiny.target_dir), dtype="bf16").model
+    assert bf16.config._attn_implementation == ATTENTION
+    assert any(isinstance(m, PairedRowLinear) for m in bf16.modules())
+    fp32 = load_model(str(tiny.target_dir), dtype="fp32").model
+    assert fp32.config._attn_implementation != ATTENTION
+    assert not any(isinstance(m, PairedRowLinear) for m in fp32.modules())

@@ -95,7 +95,10 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
 
     `load_format` dummy: only the directory's config.json and tokenizer are read and the
     weights are random, built on the device itself (a 7B model in seconds, without its
-    15 GB of files); dummy-echo: the same, made to echo its input (`make_echo`)."""
+    15 GB of files); dummy-echo: the same, made to echo its input (`make_echo`).
+
+    bf16 on CPU is made row-invariant (`row_invariant`), whatever `attn` asks for: without
+    that, greedy verification there would not be exact."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dummy = load_format != "auto"
