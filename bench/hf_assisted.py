@@ -1,7 +1,9 @@
 """Outside anchor: Hugging Face assisted generation, both models in one process.
 
-Run pinned to one core; uses one torch thread and fp32 for both models. Prints one
-JSON object per prompt: tokens, seconds, tokens/s, token ids.
+Run pinned to one core; uses one torch thread, and for both models the dtype the server
+picks on this CPU (`--dtype auto`), loaded as the server loads it, so that its output can
+be compared with the server's. Prints one JSON object per prompt: tokens, seconds,
+tokens/s, token ids.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import time
 
 import torch
 
-from specsplit.server.loading import load_model
+from specsplit.server.loading import load_model, resolve_dtype
 
 
 def main() -> None:
@@ -22,8 +24,9 @@ def main() -> None:
     p.add_argument("prompts", nargs="+")
     args = p.parse_args()
     torch.set_num_threads(1)
-    target = load_model(args.target, dtype="fp32")
-    draft = load_model(args.draft, dtype="fp32")
+    dtype = resolve_dtype("auto", "cpu")
+    target = load_model(args.target, dtype=dtype)
+    draft = load_model(args.draft, dtype=dtype)
     tok = target.tokenizer
     for prompt in args.prompts:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)

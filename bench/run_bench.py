@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     anchor("draft", "draft alone (ONNX int8, one core, one thread)", "draft_alone.py",
            lambda: ["--draft", str(pair.draft_dir)], EDGE_CORE)
-    anchor("hf-assisted", "Hugging Face assisted generation (both models fp32, one process, one core)",
+    anchor("hf-assisted", f"Hugging Face assisted generation (both models {resolve_dtype('auto', 'cpu')}, one process, one core)",
            "hf_assisted.py", lambda: ["--target", str(pair.target_dir), "--draft", str(models.pull()["draft"])],
            SERVER_CORE)
 
