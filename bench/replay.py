@@ -144,7 +144,7 @@ def main() -> None:
     p.add_argument("--bench", type=Path, default=HERE / "results" / "rtt50.json",
                    help="a bench/run_bench.py result with `none` runs (default: %(default)s)")
     p.add_argument("--rtt-ms", type=float, default=None, help="which of its RTTs (default: its first)")
-    p.add_argument("--pass-costs", type=Path, default=HERE / "results" / "cpu-passes-onnxruntime.json",
+    p.add_argument("--pass-costs", type=Path, default=HERE / "results" / "cpu-passes-bf16-invariant.json",
                    help="a bench/gpu_passes.py result for the same target and machine (default: %(default)s)")
     p.add_argument("--draft", type=Path, default=None,
                    help="the ONNX draft directory the run used (default: the default pair's, prepared if need be)")
