@@ -87,8 +87,8 @@ def test_paired_row_linear_equals_the_two_row_kernel() -> None:
         assert paired(x[None, 2:3]).shape == (1, 1, 384)
 
 
-def _padded_cases() -> list[tuple[torch.Tensor, ...]]:
-    """(query, keys, values) of one row alone, at lengths and left paddings a batch makes."""
+def _padded_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """(query, keys, values, left padding) of one row, at lengths and paddings a batch makes."""
     torch.manual_seed(0)
     cases = []
     for length in range(20, 120, 3):
@@ -106,8 +106,9 @@ def _alone_and_left_padded(attention) -> list[bool]:  # type: ignore[no-untyped-
         alone = attention(layer, q, k, v, None, scaling=128**-0.5)[0]
         # A batch of two: this row left-padded by `pad`, beside a row that is not.
         zeros = torch.zeros(1, 2, pad, 128, dtype=torch.bfloat16)
-        keys = torch.cat([torch.cat([zeros, k], 2), torch.randn_like(torch.cat([zeros, k], 2))])
-        values = torch.cat([torch.cat([zeros, v], 2), torch.randn_like(torch.cat([zeros, v], 2))])
+        padded_k, padded_v = torch.cat([zeros, k], 2), torch.cat([zeros, v], 2)
+        keys = torch.cat([padded_k, torch.randn_like(padded_k)])
+        values = torch.cat([padded_v, torch.randn_like(padded_v)])
         mask = torch.zeros(2, 1, 1, pad + k.shape[2], dtype=torch.bfloat16)
         mask[0, ..., :pad] = torch.finfo(torch.bfloat16).min
         batched = attention(layer, torch.cat([q, torch.randn_like(q)]), keys, values, mask, scaling=128**-0.5)[0]

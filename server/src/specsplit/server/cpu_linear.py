@@ -19,6 +19,8 @@ import torch
 from onnx import TensorProto, helper
 from torch import nn
 
+from specsplit.server.linear_swap import replace_linears
+
 # Smaller layers stay on PyTorch's path: their weights are read from cache in microseconds,
 # and a call into ONNX Runtime costs a few tens of them (the tests' tiny models).
 MIN_WEIGHTS = 1 << 18
@@ -82,13 +84,11 @@ def use_mlas_linears(model: nn.Module, threads: int | None = None, min_weights: 
     """Swap every fp32 nn.Linear of `model` (on CPU) with at least `min_weights` weights for
     MlasLinear; returns how many. `threads` defaults to PyTorch's own thread count."""
     threads = threads or torch.get_num_threads()
-    swapped = 0
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            w = child.weight
-            if w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= min_weights:
-                setattr(module, child_name, MlasLinear(child, threads))
-                swapped += 1
-    return swapped
+
+    def wrap(linear: nn.Linear) -> nn.Module | None:
+        w = linear.weight
+        if w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= min_weights:
+            return MlasLinear(linear, threads)
+        return None
+
+    return replace_linears(model, wrap)

@@ -1,6 +1,7 @@
 """Load a causal LM and its tokenizer from a Hugging Face directory, a GGUF file or a hub id."""
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,11 @@ from specsplit.server.row_invariant import make_rows_invariant
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@functools.cache
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls are only fast on CPUs with native bf16 (AVX512-BF16 or AMX); elsewhere
     they fall back to a kernel whose cost grows linearly with the number of tokens, which
-    defeats verifying many drafts in one pass."""
+    defeats verifying many drafts in one pass. (Read once: the flags do not change.)"""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -33,6 +33,8 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from specsplit.server.linear_swap import replace_linears
+
 ATTENTION = "specsplit_row_invariant"
 
 
@@ -76,10 +78,9 @@ def make_rows_invariant(model: PreTrainedModel) -> int:
     """Row-invariant attention, and every bf16 nn.Linear on CPU wrapped in PairedRowLinear;
     returns how many."""
     model.set_attn_implementation(ATTENTION)
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
-                setattr(module, name, PairedRowLinear(child))
-                swapped += 1
-    return swapped
+    return replace_linears(model, _pair_if_bf16_on_cpu)
+
+
+def _pair_if_bf16_on_cpu(linear: nn.Linear) -> nn.Module | None:
+    w = linear.weight
+    return PairedRowLinear(linear) if w.dtype == torch.bfloat16 and w.device.type == "cpu" else None
