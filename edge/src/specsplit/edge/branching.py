@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MIN_CHANCE = 0.02  # below this a branch is drafting spent for nothing, nearly always
+MIN_CHANCE = 0.1  # below this a branch is drafting spent for nothing, nearly always
 
 
 @dataclass(frozen=True)
