@@ -6,7 +6,7 @@ from collections import defaultdict
 
 from specsplit.common.acceptance import observed_acceptance
 
-MODE_ORDER = ["none", "sync-2", "sync-4", "sync-6", "sync-8", "async", "draft", "hf-assisted"]
+MODE_ORDER = ["none", "sync-2", "sync-4", "sync-6", "sync-8", "async-no-branches", "async", "draft", "hf-assisted"]
 
 
 def _mean(xs) -> float:  # type: ignore[no-untyped-def]
@@ -60,6 +60,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "acceptance_per_position": _per_position(g),
             "mean_accepted": _mean(r.get("mean_accepted") for r in g),
             "drafts_wasted": sum(r.get("drafts_wasted", 0) for r in g),
+            "rejections": sum(r.get("rejections", 0) for r in g),
+            "branches_taken": sum(r.get("branches_taken", 0) for r in g),
             "verifications": sum(r.get("verifications", 0) for r in g),
             "server_idle_fraction": _mean(r.get("server_idle_fraction") for r in g),
             "bytes_up_per_token": sum(r.get("bytes_up", 0) for r in g) / tokens if tokens else 0.0,
@@ -90,11 +92,11 @@ def timeline_chart(run: dict, delay_s: float, width_s: float = 12.0, step_s: flo
         for i in range(max(0, int(a / step_s)), min(cells, int(b / step_s) + 1)):
             lane[i] = ch
 
-    totals = {"drafting_s": 0.0, "verifying_s": 0.0}
+    totals = {"drafting_s": 0.0, "branching_s": 0.0, "verifying_s": 0.0}
     for ev in events:
-        if ev[0] == "draft":
-            paint(draft, ev[1], ev[2], "D")
-            totals["drafting_s"] += ev[2] - ev[1]
+        if ev[0] in ("draft", "branch"):
+            paint(draft, ev[1], ev[2], "D" if ev[0] == "draft" else "b")
+            totals["drafting_s" if ev[0] == "draft" else "branching_s"] += ev[2] - ev[1]
         elif ev[0] == "verdict":
             t, n_tokens, verify_ms = ev[1], ev[3], ev[5]
             end = t - delay_s
@@ -104,7 +106,7 @@ def timeline_chart(run: dict, delay_s: float, width_s: float = 12.0, step_s: flo
     axis = "".join("|" if i % 10 == 0 else "." for i in range(cells))
     return "\n".join([
         f"time      {axis}  (one cell = {step_s * 1000:.0f} ms, '|' every second)",
-        f"edge      {''.join(draft)}  D = drafting",
+        f"edge      {''.join(draft)}  D = drafting, b = drafting a branch",
         f"target    {''.join(verify)}  V = verifying this session",
         f"commits   {''.join(commit)}  digit = tokens committed by a verdict arriving at the edge",
     ]), totals
@@ -161,6 +163,14 @@ def render_markdown(result: dict) -> str:
                 f"(goal 1.3x)",
                 f"- every output identical to none: {_fmt(all(r['identical'] is not False for r in goal))}",
             ]
+            if "async-no-branches" in by:
+                plain = by["async-no-branches"]
+                lines.append(f"- async with the edge drafting no branches, side by side: "
+                             f"{_fmt(plain['speedup_vs_none'])}x none, "
+                             f"{plain['tokens_per_s'] / best['tokens_per_s']:.2f}x {best['mode']}")
+            if any("branches_taken" in r for r in result["runs"]):  # runs from before branches lack it
+                lines.append(f"- async's rejections: {by['async']['rejections']}, after {by['async']['branches_taken']} "
+                             "of which the server verified the edge's branch at once")
     runs = [r for r in result["runs"] if r["mode"] == "async" and r.get("timeline")]
     if runs:
         pick = next((r for r in runs if r["rtt_ms"] == 50), runs[0])
@@ -169,7 +179,8 @@ def render_markdown(result: dict) -> str:
             "",
             f"## Where the time goes: async, RTT {pick['rtt_ms']:g} ms, prompt `{pick['prompt']}`",
             "",
-            f"Over the whole run ({pick['elapsed_s']:.1f} s): the edge drafted for {totals['drafting_s']:.1f} s, the "
+            f"Over the whole run ({pick['elapsed_s']:.1f} s): the edge drafted for {totals['drafting_s']:.1f} s "
+            f"and drafted branches for {totals['branching_s']:.1f} s, the "
             f"target verified this session for {totals['verifying_s']:.1f} s; time to first token "
             f"{pick['ttft_s'] * 1000:.0f} ms (the prompt's prefill).",
             "",

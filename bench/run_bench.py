@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                    "32), or a fixed number of drafts (the edge's --no-adaptive-window)")
     p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
+    p.add_argument("--async-no-branches", action="store_true",
+                   help="also measure async with the edge drafting no branches (mode async-no-branches)")
     p.add_argument("--server-args", default="", help="extra arguments for specsplit-server serve")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in <out>/<name>.json (same settings) and measure only the missing ones")
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                     "how": "user-space TCP proxy adding rtt/2 one-way delay in each direction"},
         "settings": {"max_new_tokens": args.max_new_tokens, "window": int(args.window) if args.window.isdigit() else args.window, "sync_k": args.sync_k,
                      "temperature": 0, "server_args": args.server_args, "prompts": [pr["id"] for pr in prompts],
-                     "hf_assisted": not args.no_hf},
+                     "hf_assisted": not args.no_hf,
+                     **({"async_no_branches": True} if args.async_no_branches else {})},
     }
     try:
         log = RunLog(Path(args.out) / f"{args.name}.json", header, render_markdown, summarize, args.resume)
@@ -112,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     modes = [("none", "none", []), *[(f"sync-{k}", "sync", ["--k", str(k)]) for k in args.sync_k],
+             *([("async-no-branches", "async", [*async_args, "--branch-tokens", "0"])] if args.async_no_branches else []),
              ("async", "async", [*async_args, "--timeline"])]
     anchors = ["draft", *([] if args.no_hf else ["hf-assisted"])]
     todo = set(log.missing([(a, None, pr["id"]) for a in anchors for pr in prompts]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specsplit.protocol.edge_session import EdgeSession
-from specsplit.protocol.hashing import mix
+from specsplit.protocol.hashing import HashedSequence, mix
 from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection, ServerSession
 
@@ -104,6 +104,29 @@ class Network:
     def draft(self) -> None:
         if self.edge.room() > 0:
             self.edge.push_draft(draft_next(self.edge.tokens, self.alpha, self.salt))
+
+    def branch(self, offset: int, length: int, right: bool) -> None:
+        """Send a branch: if `right`, beside the first draft the target will reject, from the
+        target's choice there (a branch the server will take up if it arrives in time); else
+        beside the draft `offset` past the committed point, from a token the target may not want."""
+        tokens = self.edge.tokens
+        start = self.edge.committed_len + offset
+        if right:
+            start = self.edge.committed_len
+            while start < len(tokens) and tokens[start] == target_next(tokens[:start]):
+                start += 1
+        if start >= self.edge.sent_len or start in self.edge.branch_starts:
+            return
+        prefix = tokens[:start]
+        first = target_next(prefix) if right else (tokens[start] + 1 + offset) % VOCAB
+        if first == tokens[start]:
+            return
+        branch = [first]
+        limit = self.edge.committed_len + self.limits.max_lookahead
+        while len(branch) < length and start + len(branch) < limit:
+            branch.append(draft_next([*prefix, *branch], self.alpha, self.salt))
+        self.up.append(self.edge.branch_chunk(start, branch))
+        self.edge_prefixes.update(HashedSequence([*prefix, *branch]).hashes)
 
     def send(self, max_tokens: int) -> None:
         chunk = self.edge.next_chunk(max_tokens)

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from protocol_sim import VOCAB, Network, reference
 
-ACTIONS = ["draft", "draft", "draft", "send", "up", "down", "verify", "reconnect"]
+ACTIONS = ["draft", "draft", "draft", "send", "branch", "up", "down", "verify", "reconnect"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -29,6 +29,9 @@ def test_committed_tokens_equal_target_greedy(prompt, max_new, window, alpha, sa
             net.draft()
         elif action == "send":
             net.send(data.draw(st.integers(1, 5), label="chunk"))
+        elif action == "branch":
+            net.branch(data.draw(st.integers(0, 7), label="offset"), data.draw(st.integers(1, 5), label="length"),
+                       data.draw(st.booleans(), label="right"))
         elif action == "up":
             net.deliver_up()
         elif action == "down":

@@ -48,6 +48,7 @@ async def _generate(args: argparse.Namespace) -> int:
         window=args.window,
         adaptive_window=args.adaptive_window,
         k=args.k,
+        branch_tokens=args.branch_tokens,
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
         verification=VERIFICATION[args.verification] if args.verification else None,
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "runs of accepted drafts, at least 4, at most --window); --no-adaptive-window drafts --window "
                    "ahead always")
     g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
+    g.add_argument("--branch-tokens", type=int, default=EdgeConfig.branch_tokens,
+                   help="async, greedy: while the window is full, draft branches of this many tokens from the "
+                   "drafter's runner-up where a rejection is likeliest; the server verifies one at once if its "
+                   "correction matches (default %(default)s; 0: no branches)")
     g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")

@@ -3,7 +3,8 @@
 Three modes share one loop: `async` drafts ahead up to the lookahead window and never
 waits for verdicts; `sync` drafts k tokens, sends them, and waits for the verdict
 (the classic scheme, as a baseline); `none` sends no drafts (remote decoding, the
-autoregressive baseline). The drafter runs in a worker thread so verdicts are read
+autoregressive baseline). A greedy `async` edge whose window is full drafts branches
+(branching.py) instead of idling, so that a rejection it foresaw costs the server no wait. The drafter runs in a worker thread so verdicts are read
 and applied while it computes.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
 from specsplit.edge.drafter import Drafter
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
@@ -65,6 +67,7 @@ class EdgeConfig:
     window: int = 32  # async: how far ahead of the committed point to draft (with adaptive_window: at most)
     adaptive_window: bool = True  # async: size the lookahead from the acceptance seen so far (lookahead.py)
     k: int = 4  # sync: drafts per round
+    branch_tokens: int = 6  # async, greedy: length of the branches drafted while the window is full (0: none)
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
     verification: VerificationMode | None = None
@@ -77,6 +80,8 @@ class EdgeConfig:
             raise ValueError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
         if self.window < 1 or self.k < 1:
             raise ValueError("window and k must be at least 1")
+        if self.branch_tokens < 0:
+            raise ValueError("branch_tokens must be 0 (no branches) or more")
 
 
 @dataclass
@@ -128,6 +133,9 @@ class _Generation:
         self._changed = asyncio.Event()
         self._verdicts = 0
         self._max_window = cfg.window
+        self._server_lookahead = cfg.window  # how far past its committed point the server takes drafts
+        # (position, token) -> the drafter's view of that draft (a branch's drafts sit beside the main line's)
+        self._choices: dict[tuple[int, int], DraftChoice] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self.stall_timeout_s: float | None = None
         self._outgoing: asyncio.Queue = asyncio.Queue()  # holds at most a window of drafts
@@ -175,6 +183,7 @@ class _Generation:
         if not isinstance(opened, Opened):
             raise ConnectionError(f"expected Opened first, got {type(opened).__name__}")
         self._max_window = min(self.cfg.window, opened.max_lookahead)
+        self._server_lookahead = opened.max_lookahead
         window = self.cfg.k if self.cfg.mode == "sync" else self._lookahead()
         self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
         drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop(call))
@@ -230,6 +239,10 @@ class _Generation:
         # Drafters that choose tokens themselves (prompt lookup, the load test's simulated
         # edge) offer next_token(trajectory) -> id; greedy sessions use it directly.
         pick = getattr(drafter, "next_token", None) if self.proposer.mode is VerificationMode.GREEDY else None
+        # A branch needs the drafter's runner-up, so model-free drafters draft none.
+        branching = (
+            not sync and pick is None and self.cfg.branch_tokens > 1 and self.proposer.mode is VerificationMode.GREEDY
+        )
         awaiting: int | None = None  # sync: verdict count when the last round was sent
         while edge.done is None:
             if sync and awaiting is not None:
@@ -238,7 +251,11 @@ class _Generation:
                     continue
                 awaiting = None
             if edge.room() <= 0:
-                await self._wait_change()
+                start = self._branch_point() if branching else None
+                if start is None:
+                    await self._wait_change()
+                else:
+                    await self._draft_branch(start)
                 continue
             if pick is not None:
                 # A drafter that picks tokens without a model drafts inline: it fills the
@@ -255,7 +272,10 @@ class _Generation:
                 self._mark("draft", started, self._now(), len(trajectory))
                 if edge.done is not None or edge.tip != tip:
                     continue  # a verdict changed the trajectory meanwhile: draft again from it
-                edge.push_draft(*self.proposer.propose(logits, len(trajectory)))
+                token, dist = self.proposer.propose(logits, len(trajectory))
+                if branching:
+                    self._choices[len(trajectory), token] = draft_choice(logits)
+                edge.push_draft(token, dist)
             if sync and edge.speculative < self.cfg.k:
                 continue
             chunk = edge.next_chunk()
@@ -264,6 +284,49 @@ class _Generation:
                     awaiting = self._verdicts
                 self._mark("send", self._now(), chunk.start, len(chunk.tokens))
                 self._send(codec.draft_to_pb(chunk))
+
+    def _branch_point(self) -> int | None:
+        """Where to branch now, among the drafts whose drafter view is known (branching.py)."""
+        edge = self.edge
+        assert edge is not None
+        start = edge.committed_len
+        choices: list[DraftChoice] = []
+        for position in range(start, len(edge.tokens)):
+            choice = self._choices.get((position, edge.tokens[position]))
+            if choice is None:
+                break
+            choices.append(choice)
+        index = choose_branch(choices, {p - start for p in edge.branch_starts})
+        return None if index is None else start + index
+
+    async def _draft_branch(self, start: int) -> None:
+        """Draft a branch from the runner-up at `start`, sending it each time it has grown by
+        two tokens (the server keeps the longest), until it is branch_tokens long, a verdict
+        settles `start`, or one opens the window for the main line."""
+        edge, drafter = self.edge, self.drafter
+        assert edge is not None and drafter is not None
+        loop = asyncio.get_running_loop()
+        tip = edge.tip
+        tokens = [self._choices[start, edge.tokens[start]].runner_up]
+        while True:
+            # A branch may not reach past the server's lookahead limit either.
+            length = min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
+            if len(tokens) >= length:
+                return
+            trajectory = [*edge.tokens[:start], *tokens]
+            started = self._now()
+            logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
+            self._mark("branch", started, self._now(), len(trajectory))
+            if edge.done is not None or edge.tip != tip or start < edge.committed_len:
+                return
+            choice = draft_choice(logits)
+            self._choices[len(trajectory), choice.token] = choice
+            tokens.append(choice.token)
+            if len(tokens) % 2 == 0 or len(tokens) >= length:
+                self._mark("send-branch", self._now(), start, len(tokens))
+                self._send(codec.draft_to_pb(edge.branch_chunk(start, tokens)))
+            if edge.room() > 0:
+                return
 
 
 def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:

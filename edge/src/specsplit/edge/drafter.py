@@ -1,7 +1,13 @@
-"""The ONNX Runtime draft model with its KV cache; rollback slices the cache's axis 2."""
+"""The ONNX Runtime draft model with its KV cache; rollback slices the cache's axis 2.
+
+The drafter keeps a few caches, one per line it drafts along (the main line and a branch
+beside it), so that switching between them re-feeds nothing. They cost little: ONNX Runtime
+returns fresh arrays each step and a rollback is a view, so caches share what they share.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -18,7 +24,23 @@ class Drafter(Protocol):
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray: ...
 
 
+@dataclass
+class _Cache:
+    tokens: list[int] = field(default_factory=list)  # tokens whose keys/values it holds
+    past: list[np.ndarray] = field(default_factory=list)
+    last_logits: np.ndarray | None = None
+
+    def common_prefix(self, trajectory: Sequence[int]) -> int:
+        n = min(len(self.tokens), len(trajectory))
+        common = 0
+        while common < n and self.tokens[common] == trajectory[common]:
+            common += 1
+        return common
+
+
 class OnnxDrafter:
+    CACHES = 2  # the main line and one branch
+
     def __init__(self, directory: Path, threads: int = 1) -> None:
         self.directory = Path(directory)
         self.meta = DraftExportMeta.load(self.directory)
@@ -31,43 +53,50 @@ class OnnxDrafter:
         self._past_names = [
             f"past_key_values.{i}.{kind}" for i in range(self.meta.num_layers) for kind in ("key", "value")
         ]
-        self.tokens: list[int] = []  # tokens whose keys/values the cache holds
-        self._past: list[np.ndarray] = []
-        self._last_logits: np.ndarray | None = None
+        self._caches: list[_Cache] = []  # least recently used first
         self.reset()
 
     def reset(self) -> None:
         empty = np.zeros((1, self.meta.num_kv_heads, 0, self.meta.head_dim), dtype=np.float32)
-        self._past = [empty] * len(self._past_names)
-        self.tokens = []
-        self._last_logits = None
+        self._caches = [_Cache(past=[empty] * len(self._past_names))]
 
-    def _truncate(self, length: int) -> None:
-        if length < len(self.tokens):
-            self._past = [t[:, :, :length] for t in self._past]
-            del self.tokens[length:]
-            self._last_logits = None
+    def _cache_for(self, trajectory: Sequence[int]) -> tuple[_Cache, int]:
+        """The cache sharing the longest prefix with `trajectory` (the most recent of
+        equals), and that length. If the trajectory leaves that cache's line, the cache is
+        forked rather than cut back, so its line stays for later; the least recently used
+        cache goes when there are too many."""
+        best, common = self._caches[-1], -1
+        for cache in reversed(self._caches):
+            n = cache.common_prefix(trajectory)
+            if n > common:
+                best, common = cache, n
+        self._caches.remove(best)
+        self._caches.append(best)
+        if common < len(best.tokens):
+            best = _Cache(list(best.tokens), list(best.past), best.last_logits)
+            self._caches.append(best)
+            del self._caches[: -self.CACHES]
+        return best, common
 
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
         """Logits for the token after `trajectory`, reusing the cached common prefix."""
-        n = min(len(self.tokens), len(trajectory))
-        common = 0
-        while common < n and self.tokens[common] == trajectory[common]:
-            common += 1
-        if common == len(trajectory) == len(self.tokens) and self._last_logits is not None:
-            return self._last_logits
+        cache, common = self._cache_for(trajectory)
+        if common == len(trajectory) == len(cache.tokens) and cache.last_logits is not None:
+            return cache.last_logits
         keep = min(common, len(trajectory) - 1)
-        self._truncate(keep)
+        if keep < len(cache.tokens):
+            cache.past = [t[:, :, :keep] for t in cache.past]
+            del cache.tokens[keep:]
         feed_ids = list(trajectory[keep:])
         total = keep + len(feed_ids)
         feed = {
             "input_ids": np.asarray([feed_ids], dtype=np.int64),
             "attention_mask": np.ones((1, total), dtype=np.int64),
             "position_ids": np.arange(keep, total, dtype=np.int64)[None, :],
-            **dict(zip(self._past_names, self._past)),
+            **dict(zip(self._past_names, cache.past)),
         }
         logits, *present = self._session.run(None, feed)
-        self._past = present
-        self.tokens = list(trajectory)
-        self._last_logits = logits[0, -1].astype(np.float64)
-        return self._last_logits
+        cache.past = present
+        cache.tokens = list(trajectory)
+        cache.last_logits = logits[0, -1].astype(np.float64)
+        return cache.last_logits

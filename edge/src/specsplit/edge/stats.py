@@ -28,6 +28,8 @@ class GenerationStats:
     mean_accepted: float = 0.0  # accepted drafts per verification
     drafts_made: int = 0
     drafts_wasted: int = 0
+    branch_drafted: int = 0  # tokens sent in branches (beside drafts_made)
+    branches_taken: int = 0  # branches the server took up after a correction
     bytes_up: int = 0
     bytes_down: int = 0
     done_reason: str = ""
@@ -59,6 +61,8 @@ class GenerationStats:
         self.mean_accepted = self.drafts_accepted / self.verifications if self.verifications else 0.0
         self.drafts_made = edge.drafted
         self.drafts_wasted = edge.wasted
+        self.branch_drafted = edge.branch_drafted
+        self.branches_taken = edge.branches_taken
 
     def as_dict(self) -> dict:
         return asdict(self)

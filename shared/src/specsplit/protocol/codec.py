@@ -55,6 +55,7 @@ def draft_to_pb(chunk: DraftChunk) -> pb.EdgeMessage:
             tokens=chunk.tokens,
             parent_hash=chunk.parent_hash,
             dists=[pb.DraftDistribution(ids=d.ids, probs=d.probs) for d in chunk.dists],
+            branch=chunk.branch,
         )
     )
 
@@ -86,6 +87,7 @@ def edge_from_pb(msg: pb.EdgeMessage) -> EdgeEvent:
             tokens=tuple(d.tokens),
             parent_hash=d.parent_hash,
             dists=tuple(SparseDist(tuple(x.ids), tuple(x.probs)) for x in d.dists),
+            branch=d.branch,
         )
     if kind == "close":
         return Close()
@@ -105,6 +107,7 @@ def server_to_pb(event: ServerEvent) -> pb.ServerMessage:
                 chunks_received=event.chunks_received,
                 drafts_dropped=event.drafts_dropped,
                 verify_ms=event.verify_ms,
+                branch_tokens=event.branch_tokens,
             )
         )
     if isinstance(event, Done):
@@ -138,6 +141,7 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
             chunks_received=v.chunks_received,
             drafts_dropped=v.drafts_dropped,
             verify_ms=v.verify_ms,
+            branch_tokens=v.branch_tokens,
         )
     if kind == "done":
         return Done(DoneReason(msg.done.reason), msg.done.committed_length, msg.done.target_busy_s)

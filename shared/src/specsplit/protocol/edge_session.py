@@ -3,6 +3,11 @@
 The edge drafts ahead of the committed point by at most `window` tokens and never
 waits for verdicts. A verdict that contradicts its trajectory rolls the trajectory
 back to the committed point; the drafter then re-syncs its KV cache from there.
+
+While its window is full, an edge may draft a branch: an alternative to one of its
+drafts, sent aside. If a verdict corrects that position to the branch's first token, the
+server has already taken up the rest of the branch as candidates (the verdict says so)
+and the edge carries on from the branch's end instead of from the correction.
 """
 from __future__ import annotations
 
@@ -25,11 +30,15 @@ class EdgeSession:
         self.sent_len = self.committed_len
         self._dists: list[SparseDist | None] = []  # one per speculative position
         self._chunks_sent = 0
-        self._in_flight: deque[tuple[int, int]] = deque()  # (chunk index, end position)
+        # (chunk index, end position; None for a branch, which moves no tip)
+        self._in_flight: deque[tuple[int, int | None]] = deque()
+        self._branches: dict[int, tuple[int, ...]] = {}  # start -> tokens, of branches sent
         self.done: Done | None = None
         self.drafted = 0
         self.wasted = 0  # drafted tokens thrown away by rollbacks
         self.resends = 0
+        self.branch_drafted = 0  # tokens sent in branches
+        self.branches_taken = 0
 
     # -- views -----------------------------------------------------------------
 
@@ -83,6 +92,30 @@ class EdgeSession:
         self.sent_len = end
         return chunk
 
+    @property
+    def branch_starts(self) -> set[int]:
+        return set(self._branches)
+
+    def branch_chunk(self, start: int, tokens: Sequence[int]) -> DraftChunk:
+        """Send `tokens` as an alternative to the sent drafts from `start` on (one branch per
+        position; a longer one for the same position replaces it)."""
+        if self.done is not None:
+            raise ValueError("the generation is over")
+        if not self.committed_len <= start < self.sent_len:
+            raise ValueError(
+                f"a branch must stand beside a sent draft: {start} is outside [{self.committed_len}, {self.sent_len})"
+            )
+        if not tokens or tokens[0] == self._seq.tokens[start]:
+            raise ValueError("a branch's first token must differ from the draft it stands beside")
+        old = self._branches.get(start)
+        if old is not None and old[0] != tokens[0]:
+            raise ValueError(f"position {start} already has a branch with another first token")
+        self.branch_drafted += len(tokens) - (len(old) if old is not None else 0)
+        self._branches[start] = tuple(tokens)
+        self._in_flight.append((self._chunks_sent, None))
+        self._chunks_sent += 1
+        return DraftChunk(start=start, tokens=tuple(tokens), parent_hash=self._seq.hash_before(start), branch=True)
+
     # -- verdicts in -----------------------------------------------------------
 
     def apply_verdict(self, verdict: Verdict) -> int | None:
@@ -113,15 +146,35 @@ class EdgeSession:
         del self._dists[: len(new)]
         self.committed_len += len(new)
         self.sent_len = max(self.sent_len, self.committed_len)
+        if verdict.branch_tokens:
+            self._take_branch(verdict)
+        # A branch for a committed position is spent; one past a rollback hangs off drafts now gone.
+        self._branches = {
+            p: b for p, b in self._branches.items() if p >= self.committed_len and (resync is None or p < resync)
+        }
         self._resend_if_dropped(verdict)
         return resync
+
+    def _take_branch(self, verdict: Verdict) -> None:
+        """The server made the branch at the correction its candidates: so does the edge."""
+        position = self.committed_len - 1
+        branch = self._branches.pop(position, None)
+        if branch is None or branch[0] != self._seq.tokens[position] or len(branch) <= verdict.branch_tokens:
+            raise errors.VerdictOutOfOrder(
+                f"verdict takes up {verdict.branch_tokens} tokens of a branch at {position} that this edge did not send"
+            )
+        self._seq.extend(branch[1 : 1 + verdict.branch_tokens])
+        self._dists.extend([None] * verdict.branch_tokens)
+        self.sent_len = len(self._seq)
+        self.branches_taken += 1
 
     def _resend_if_dropped(self, verdict: Verdict) -> None:
         """If the server held less than the chunks it had received should have given
         it, something was dropped there (say, after a reconnect): send it again."""
         expected_tip = None
         while self._in_flight and self._in_flight[0][0] < verdict.chunks_received:
-            expected_tip = self._in_flight.popleft()[1]
+            end = self._in_flight.popleft()[1]
+            expected_tip = end if end is not None else expected_tip
         if expected_tip is None:
             return
         expected_tip = min(expected_tip, len(self._seq))
@@ -138,6 +191,7 @@ class EdgeSession:
         self.wasted += self.speculative
         self._seq.truncate(self.committed_len)
         self._dists.clear()
+        self._branches.clear()
         self.done = done
 
     def reconnect(self) -> None:
@@ -145,3 +199,4 @@ class EdgeSession:
         self.sent_len = self.committed_len
         self._chunks_sent = 0
         self._in_flight.clear()
+        self._branches.clear()

@@ -92,6 +92,7 @@ class DraftChunk:
     tokens: tuple[int, ...]
     parent_hash: int
     dists: tuple[SparseDist, ...] = ()
+    branch: bool = False  # an alternative from `start` on, used only if a verdict corrects to tokens[0]
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class Verdict:
     chunks_received: int = 0
     drafts_dropped: int = 0
     verify_ms: float = 0.0  # filled in by the transport, which owns the clock
+    branch_tokens: int = 0  # the correction took up the edge's branch: this many of its tokens are candidates
 
 
 @dataclass(frozen=True)

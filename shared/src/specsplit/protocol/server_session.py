@@ -4,6 +4,11 @@ The session holds one trajectory: the committed tokens followed by admitted
 candidates, with a rolling hash per position. A draft chunk is admitted only if its
 parent hash equals the session's hash just before the chunk's start, so chunks
 drafted on a trajectory the server has since contradicted drop out by themselves.
+
+A branch chunk is an alternative the edge drafted for one of the candidates: it waits
+beside the trajectory and, if a verdict corrects its position to the branch's first
+token, its remaining tokens become the candidates at once, so the next verification
+need not wait a round trip for the edge to draft on from the correction.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from specsplit.protocol.messages import (
     VerificationMode,
 )
 from specsplit.protocol.verification import verify
+
+MAX_BRANCHES = 8  # branches a session keeps aside; a newer one pushes out the oldest
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,10 @@ class ServerSession:
         self.drafts_dropped = 0
         self.drafts_accepted = 0
         self.rejections = 0  # verifications that stopped at a rejected draft
+        # (position, first token) -> (parent hash, tokens): alternatives waiting for a correction
+        self._branches: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
+        self.branches_received = 0
+        self.branches_taken = 0
         if request.committed_ids:
             # A resumed generation may already have ended before the reconnect.
             _, reason = self._termination([request.committed_ids[-1]], already_committed=True)
@@ -145,6 +156,8 @@ class ServerSession:
                 f"draft chunk of {len(chunk.tokens)} tokens exceeds the limit of {self.limits.max_chunk}"
             )
         _check_ids(chunk.tokens, self.limits.vocab_size, "draft chunk")
+        if chunk.branch and self.mode is VerificationMode.SPARSE_Q:
+            raise errors.MalformedDraft("branch drafts are not accepted in sparse-q mode")
         if self.mode is VerificationMode.SPARSE_Q:
             if len(chunk.dists) != len(chunk.tokens):
                 raise errors.MalformedDraft(
@@ -191,6 +204,9 @@ class ServerSession:
             return 0
         self._validate_draft(chunk)
         self.drafts_received += len(chunk.tokens)
+        if chunk.branch:
+            self._keep_branch(chunk)
+            return 0
         if chunk.start > len(self._seq) or chunk.parent_hash != self._seq.hash_before(chunk.start):
             self.drafts_dropped += len(chunk.tokens)
             return 0
@@ -209,6 +225,40 @@ class ServerSession:
             self._dists.append(chunk.dists[j] if chunk.dists else None)
             admitted += 1
         return admitted
+
+    def _keep_branch(self, chunk: DraftChunk) -> None:
+        """Set a branch aside if it is an alternative to a candidate of this trajectory."""
+        self.branches_received += 1
+        start = chunk.start
+        if (
+            start < self.committed_len
+            or start >= len(self._seq)
+            or chunk.parent_hash != self._seq.hash_before(start)
+            or chunk.tokens[0] == self._seq.tokens[start]
+        ):
+            self.drafts_dropped += len(chunk.tokens)
+            return
+        key = (start, chunk.tokens[0])
+        self._branches.pop(key, None)  # a resent branch (say, a longer one) replaces the old
+        self._branches[key] = (chunk.parent_hash, chunk.tokens)
+        while len(self._branches) > MAX_BRANCHES:
+            del self._branches[next(iter(self._branches))]
+
+    def _take_branch(self, position: int, token: int) -> int:
+        """After a correction to `token` at `position` (now the last committed token), make
+        the edge's branch for it the candidates; returns how many tokens that added. Branches
+        for committed positions are dropped: their chance has passed."""
+        branch = self._branches.pop((position, token), None)
+        for key in [k for k in self._branches if k[0] < self.committed_len]:
+            del self._branches[key]
+        # Candidates left after the verdict continue the correction already (the edge sent them).
+        if branch is None or self.candidate_count or branch[0] != self._seq.hash_before(position):
+            return 0
+        rest = branch[1][1:]
+        self._seq.extend(rest)
+        self._dists.extend([None] * len(rest))
+        self.branches_taken += bool(rest)
+        return len(rest)
 
     # -- verification ----------------------------------------------------------
 
@@ -265,6 +315,7 @@ class ServerSession:
         self.drafts_accepted += accepted
         if accepted < considered:
             self.rejections += 1
+        taken = self._take_branch(self.committed_len - 1, new[-1]) if reason is None else 0
         events: list[Verdict | Done] = [
             Verdict(
                 start=task.start,
@@ -275,6 +326,7 @@ class ServerSession:
                 verifications=self.verifications,
                 chunks_received=self.chunks_received,
                 drafts_dropped=self.drafts_dropped,
+                branch_tokens=taken,
             )
         ]
         if reason is not None:
@@ -284,6 +336,7 @@ class ServerSession:
 
     def _finish(self, reason: DoneReason) -> None:
         self._truncate(self.committed_len)
+        self._branches.clear()
         self.done = Done(reason, self.committed_len)
 
     def cancel(self) -> Done | None:

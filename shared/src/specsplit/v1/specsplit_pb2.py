@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecsplit/v1/specsplit.proto\x12\x0cspecsplit.v1\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x9c\x02\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.specsplit.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x34\n\x0cverification\x18\x07 \x01(\x0e\x32\x1e.specsplit.v1.VerificationMode\x12+\n\ndraft_mode\x18\x08 \x01(\x0e\x32\x17.specsplit.v1.DraftMode\x12\x15\n\rcommitted_ids\x18\t \x03(\r\"/\n\x11\x44raftDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"k\n\x05\x44raft\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x06\x12.\n\x05\x64ists\x18\x04 \x03(\x0b\x32\x1f.specsplit.v1.DraftDistribution\"\x07\n\x05\x43lose\"\x85\x01\n\x0b\x45\x64geMessage\x12\"\n\x04open\x18\x01 \x01(\x0b\x32\x12.specsplit.v1.OpenH\x00\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x13.specsplit.v1.DraftH\x00\x12$\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x13.specsplit.v1.CloseH\x00\x42\x06\n\x04kind\"r\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\rmax_lookahead\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\"\xbe\x01\n\x07Verdict\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x10\n\x08proposed\x18\x04 \x01(\r\x12\x15\n\rcandidate_tip\x18\x05 \x01(\x04\x12\x15\n\rverifications\x18\x06 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x07 \x01(\x04\x12\x16\n\x0e\x64rafts_dropped\x18\x08 \x01(\x04\x12\x11\n\tverify_ms\x18\t \x01(\x02\"a\n\x04\x44one\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.specsplit.v1.DoneReason\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\x12\x15\n\rtarget_busy_s\x18\x03 \x01(\x01\"\x8d\x01\n\rServerMessage\x12&\n\x06opened\x18\x01 \x01(\x0b\x32\x14.specsplit.v1.OpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.VerdictH\x00\x12\"\n\x04\x64one\x18\x03 \x01(\x0b\x32\x12.specsplit.v1.DoneH\x00\x42\x06\n\x04kind*\x90\x01\n\x10VerificationMode\x12!\n\x1dVERIFICATION_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18VERIFICATION_MODE_GREEDY\x10\x01\x12\x1b\n\x17VERIFICATION_MODE_MATCH\x10\x02\x12\x1e\n\x1aVERIFICATION_MODE_SPARSE_Q\x10\x03*g\n\tDraftMode\x12\x1a\n\x16\x44RAFT_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44RAFT_MODE_ASYNC\x10\x01\x12\x13\n\x0f\x44RAFT_MODE_SYNC\x10\x02\x12\x13\n\x0f\x44RAFT_MODE_NONE\x10\x03*\xa0\x01\n\nDoneReason\x12\x1b\n\x17\x44ONE_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44ONE_REASON_EOS\x10\x01\x12\x14\n\x10\x44ONE_REASON_STOP\x10\x02\x12\x16\n\x12\x44ONE_REASON_LENGTH\x10\x03\x12\x17\n\x13\x44ONE_REASON_CONTEXT\x10\x04\x12\x19\n\x15\x44ONE_REASON_CANCELLED\x10\x05\x32S\n\tSpecSplit\x12\x46\n\x08Generate\x12\x19.specsplit.v1.EdgeMessage\x1a\x1b.specsplit.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecsplit/v1/specsplit.proto\x12\x0cspecsplit.v1\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x9c\x02\n\x04Open\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12(\n\x08sampling\x18\x02 \x01(\x0b\x32\x16.specsplit.v1.Sampling\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x10\n\x08stop_ids\x18\x04 \x03(\r\x12\x13\n\x0b\x64raft_model\x18\x05 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x34\n\x0cverification\x18\x07 \x01(\x0e\x32\x1e.specsplit.v1.VerificationMode\x12+\n\ndraft_mode\x18\x08 \x01(\x0e\x32\x17.specsplit.v1.DraftMode\x12\x15\n\rcommitted_ids\x18\t \x03(\r\"/\n\x11\x44raftDistribution\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"{\n\x05\x44raft\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x06\x12.\n\x05\x64ists\x18\x04 \x03(\x0b\x32\x1f.specsplit.v1.DraftDistribution\x12\x0e\n\x06\x62ranch\x18\x05 \x01(\x08\"\x07\n\x05\x43lose\"\x85\x01\n\x0b\x45\x64geMessage\x12\"\n\x04open\x18\x01 \x01(\x0b\x32\x12.specsplit.v1.OpenH\x00\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x13.specsplit.v1.DraftH\x00\x12$\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x13.specsplit.v1.CloseH\x00\x42\x06\n\x04kind\"r\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\rmax_lookahead\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\"\xd5\x01\n\x07Verdict\x12\r\n\x05start\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x10\n\x08proposed\x18\x04 \x01(\r\x12\x15\n\rcandidate_tip\x18\x05 \x01(\x04\x12\x15\n\rverifications\x18\x06 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x07 \x01(\x04\x12\x16\n\x0e\x64rafts_dropped\x18\x08 \x01(\x04\x12\x11\n\tverify_ms\x18\t \x01(\x02\x12\x15\n\rbranch_tokens\x18\n \x01(\r\"a\n\x04\x44one\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.specsplit.v1.DoneReason\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\x04\x12\x15\n\rtarget_busy_s\x18\x03 \x01(\x01\"\x8d\x01\n\rServerMessage\x12&\n\x06opened\x18\x01 \x01(\x0b\x32\x14.specsplit.v1.OpenedH\x00\x12(\n\x07verdict\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.VerdictH\x00\x12\"\n\x04\x64one\x18\x03 \x01(\x0b\x32\x12.specsplit.v1.DoneH\x00\x42\x06\n\x04kind*\x90\x01\n\x10VerificationMode\x12!\n\x1dVERIFICATION_MODE_UNSPECIFIED\x10\x00\x12\x1c\n\x18VERIFICATION_MODE_GREEDY\x10\x01\x12\x1b\n\x17VERIFICATION_MODE_MATCH\x10\x02\x12\x1e\n\x1aVERIFICATION_MODE_SPARSE_Q\x10\x03*g\n\tDraftMode\x12\x1a\n\x16\x44RAFT_MODE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x44RAFT_MODE_ASYNC\x10\x01\x12\x13\n\x0f\x44RAFT_MODE_SYNC\x10\x02\x12\x13\n\x0f\x44RAFT_MODE_NONE\x10\x03*\xa0\x01\n\nDoneReason\x12\x1b\n\x17\x44ONE_REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44ONE_REASON_EOS\x10\x01\x12\x14\n\x10\x44ONE_REASON_STOP\x10\x02\x12\x16\n\x12\x44ONE_REASON_LENGTH\x10\x03\x12\x17\n\x13\x44ONE_REASON_CONTEXT\x10\x04\x12\x19\n\x15\x44ONE_REASON_CANCELLED\x10\x05\x32S\n\tSpecSplit\x12\x46\n\x08Generate\x12\x19.specsplit.v1.EdgeMessage\x1a\x1b.specsplit.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.specsplit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VERIFICATIONMODE']._serialized_start=1266
-  _globals['_VERIFICATIONMODE']._serialized_end=1410
-  _globals['_DRAFTMODE']._serialized_start=1412
-  _globals['_DRAFTMODE']._serialized_end=1515
-  _globals['_DONEREASON']._serialized_start=1518
-  _globals['_DONEREASON']._serialized_end=1678
+  _globals['_VERIFICATIONMODE']._serialized_start=1305
+  _globals['_VERIFICATIONMODE']._serialized_end=1449
+  _globals['_DRAFTMODE']._serialized_start=1451
+  _globals['_DRAFTMODE']._serialized_end=1554
+  _globals['_DONEREASON']._serialized_start=1557
+  _globals['_DONEREASON']._serialized_end=1717
   _globals['_SAMPLING']._serialized_start=46
   _globals['_SAMPLING']._serialized_end=121
   _globals['_OPEN']._serialized_start=124
@@ -44,19 +44,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTDISTRIBUTION']._serialized_start=410
   _globals['_DRAFTDISTRIBUTION']._serialized_end=457
   _globals['_DRAFT']._serialized_start=459
-  _globals['_DRAFT']._serialized_end=566
-  _globals['_CLOSE']._serialized_start=568
-  _globals['_CLOSE']._serialized_end=575
-  _globals['_EDGEMESSAGE']._serialized_start=578
-  _globals['_EDGEMESSAGE']._serialized_end=711
-  _globals['_OPENED']._serialized_start=713
-  _globals['_OPENED']._serialized_end=827
-  _globals['_VERDICT']._serialized_start=830
-  _globals['_VERDICT']._serialized_end=1020
-  _globals['_DONE']._serialized_start=1022
-  _globals['_DONE']._serialized_end=1119
-  _globals['_SERVERMESSAGE']._serialized_start=1122
-  _globals['_SERVERMESSAGE']._serialized_end=1263
-  _globals['_SPECSPLIT']._serialized_start=1680
-  _globals['_SPECSPLIT']._serialized_end=1763
+  _globals['_DRAFT']._serialized_end=582
+  _globals['_CLOSE']._serialized_start=584
+  _globals['_CLOSE']._serialized_end=591
+  _globals['_EDGEMESSAGE']._serialized_start=594
+  _globals['_EDGEMESSAGE']._serialized_end=727
+  _globals['_OPENED']._serialized_start=729
+  _globals['_OPENED']._serialized_end=843
+  _globals['_VERDICT']._serialized_start=846
+  _globals['_VERDICT']._serialized_end=1059
+  _globals['_DONE']._serialized_start=1061
+  _globals['_DONE']._serialized_end=1158
+  _globals['_SERVERMESSAGE']._serialized_start=1161
+  _globals['_SERVERMESSAGE']._serialized_end=1302
+  _globals['_SPECSPLIT']._serialized_start=1719
+  _globals['_SPECSPLIT']._serialized_end=1802
 # @@protoc_insertion_point(module_scope)

@@ -87,16 +87,18 @@ class DraftDistribution(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("start", "tokens", "parent_hash", "dists")
+    __slots__ = ("start", "tokens", "parent_hash", "dists", "branch")
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     DISTS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parent_hash: int
     dists: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
-    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., dists: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
+    branch: bool
+    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parent_hash: _Optional[int] = ..., dists: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., branch: _Optional[bool] = ...) -> None: ...
 
 class Close(_message.Message):
     __slots__ = ()
@@ -127,7 +129,7 @@ class Opened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., max_context: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("start", "tokens", "accepted", "proposed", "candidate_tip", "verifications", "chunks_received", "drafts_dropped", "verify_ms")
+    __slots__ = ("start", "tokens", "accepted", "proposed", "candidate_tip", "verifications", "chunks_received", "drafts_dropped", "verify_ms", "branch_tokens")
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,7 @@ class Verdict(_message.Message):
     CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
@@ -146,7 +149,8 @@ class Verdict(_message.Message):
     chunks_received: int
     drafts_dropped: int
     verify_ms: float
-    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., proposed: _Optional[int] = ..., candidate_tip: _Optional[int] = ..., verifications: _Optional[int] = ..., chunks_received: _Optional[int] = ..., drafts_dropped: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+    branch_tokens: int
+    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., proposed: _Optional[int] = ..., candidate_tip: _Optional[int] = ..., verifications: _Optional[int] = ..., chunks_received: _Optional[int] = ..., drafts_dropped: _Optional[int] = ..., verify_ms: _Optional[float] = ..., branch_tokens: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("reason", "committed_length", "target_busy_s")

@@ -1,0 +1,174 @@
+"""Branches: alternatives the edge drafts beside its drafts, which the server verifies at once
+when a correction matches their first token (protocol core, drafter caches, branch choice)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specsplit.edge.branching import MIN_CHANCE, DraftChoice, choose_branch, draft_choice
+from specsplit.protocol import errors
+from specsplit.protocol.edge_session import EdgeSession
+from specsplit.protocol.hashing import HashedSequence
+from specsplit.protocol.messages import DraftChunk, OpenRequest, SamplingParams, Verdict, VerificationMode
+from specsplit.protocol.server_session import MAX_BRANCHES, ServerSession
+from protocol_sim import VOCAB, target_next
+from test_protocol_core import LIMITS, PROMPT, greedy_path, open_session, run_task
+
+
+def wrong(token: int) -> int:
+    return (token + 1) % VOCAB
+
+
+def edge_with_drafts(drafts: list[int]) -> EdgeSession:
+    e = EdgeSession(PROMPT, window=6)
+    for t in drafts:
+        e.push_draft(t)
+    return e
+
+
+def test_a_branch_matching_the_correction_becomes_the_candidates() -> None:
+    right = greedy_path(list(PROMPT), 4)  # what the target will commit
+    e = edge_with_drafts([right[0], wrong(right[1]), 7])
+    s = open_session()
+    s.receive_draft(e.next_chunk())
+    # The edge foresaw the rejection at position 4 and drafted on from the target's choice there.
+    s.receive_draft(e.branch_chunk(4, right[1:4]))
+    assert s.candidates == [right[0], wrong(right[1]), 7]
+    (verdict,) = run_task(s, 6)
+    assert verdict.tokens == (right[0], right[1]) and verdict.branch_tokens == 2
+    assert s.candidates == right[2:4] and s.branches_taken == 1
+    assert e.apply_verdict(verdict) == 4
+    assert e.tokens == [*PROMPT, *right] and e.sent_len == len(e.tokens) and e.branches_taken == 1
+    assert e.next_chunk() is None  # the server holds all of it already
+    (verdict,) = run_task(s, 6)
+    assert verdict.accepted == 2
+    e.apply_verdict(verdict)
+    assert s.generated == e.generated == greedy_path(list(PROMPT), 5)
+
+
+def test_a_branch_the_correction_does_not_match_is_left_unused() -> None:
+    right = greedy_path(list(PROMPT), 3)
+    e = edge_with_drafts([right[0], wrong(right[1])])
+    s = open_session()
+    s.receive_draft(e.next_chunk())
+    s.receive_draft(e.branch_chunk(4, [wrong(wrong(right[1])), 1, 2]))
+    (verdict,) = run_task(s, 6)
+    assert verdict.branch_tokens == 0 and s.candidates == []
+    e.apply_verdict(verdict)
+    assert e.tokens == [*PROMPT, *right[:2]] and e.branch_starts == set()
+
+
+def test_a_branch_with_no_draft_beside_it_is_dropped() -> None:
+    right = greedy_path(list(PROMPT), 3)
+    e = edge_with_drafts([right[0], wrong(right[1])])
+    s = open_session()
+    main = e.next_chunk()
+    # The branch overtakes the chunk it stands beside (say, the server had lost that chunk).
+    s.receive_draft(e.branch_chunk(4, [right[1], right[2]]))
+    assert s.drafts_dropped == 2
+    s.receive_draft(main)
+    (verdict,) = run_task(s, 6)
+    assert verdict.tokens == tuple(right[:2]) and verdict.branch_tokens == 0
+    e.apply_verdict(verdict)  # the edge rolls back as usual and drafts on from the correction
+    assert e.tokens == [*PROMPT, *right[:2]] and e.sent_len == len(e.tokens)
+
+
+def test_a_branch_is_not_taken_once_the_trajectory_before_it_changed() -> None:
+    right = greedy_path(list(PROMPT), 3)
+    e = edge_with_drafts([wrong(right[0]), 5, 6])
+    s = open_session()
+    s.receive_draft(e.next_chunk())
+    # A branch at position 5 assumes the draft at 3 is accepted; it is not, so whatever the
+    # correction at 5 later is, the branch's parent hash no longer matches.
+    s.receive_draft(e.branch_chunk(5, [1, 2]))
+    (verdict,) = run_task(s, 6)
+    assert verdict.tokens == (right[0],) and verdict.branch_tokens == 0
+    e.apply_verdict(verdict)
+    assert e.branch_starts == set()
+
+
+def test_the_server_keeps_a_bounded_number_of_branches() -> None:
+    s = open_session(max_new=30)
+    traj = HashedSequence([*PROMPT, *([1] * 6)])
+    s.receive_draft(DraftChunk(3, (1,) * 6, traj.hash_before(3)))
+    for start in range(3, 9):
+        for first in (2, 3):
+            s.receive_draft(DraftChunk(start, (first,), traj.hash_before(start), branch=True))
+    assert len(s._branches) == MAX_BRANCHES and (8, 3) in s._branches and (3, 2) not in s._branches
+    s.receive_draft(DraftChunk(8, (3, 4), traj.hash_before(8), branch=True))  # a longer one replaces it
+    assert len(s._branches) == MAX_BRANCHES and s._branches[(8, 3)][1] == (3, 4)
+
+
+def test_sparse_q_refuses_branches() -> None:
+    s = ServerSession(
+        OpenRequest(prompt_ids=PROMPT, max_new_tokens=8, sampling=SamplingParams(temperature=1.0),
+                    verification=VerificationMode.SPARSE_Q),
+        LIMITS,
+        "s",
+    )
+    e = edge_with_drafts([1])
+    e.next_chunk()
+    with pytest.raises(errors.MalformedDraft, match="branch"):
+        s.receive_draft(e.branch_chunk(3, [2, 3]))
+
+
+def test_edge_refuses_a_verdict_taking_a_branch_it_never_sent() -> None:
+    e = edge_with_drafts([1, 2])
+    e.next_chunk()
+    with pytest.raises(errors.VerdictOutOfOrder, match="branch"):
+        e.apply_verdict(Verdict(start=3, tokens=(1, 5), accepted=1, proposed=2, candidate_tip=7, branch_tokens=2))
+
+
+def test_edge_branch_must_stand_beside_a_sent_draft() -> None:
+    e = edge_with_drafts([1, 2])
+    with pytest.raises(ValueError):
+        e.branch_chunk(4, [3])  # drafted, not sent
+    e.next_chunk()
+    with pytest.raises(ValueError):
+        e.branch_chunk(5, [3])  # no draft there
+    with pytest.raises(ValueError):
+        e.branch_chunk(4, [2])  # the same token as the draft
+    e.branch_chunk(4, [3, 4])
+    with pytest.raises(ValueError):
+        e.branch_chunk(4, [5])  # another first token for a position that has a branch
+
+
+def choice(prob: float, runner_up_prob: float) -> DraftChoice:
+    return DraftChoice(token=1, prob=prob, runner_up=2, runner_up_prob=runner_up_prob)
+
+
+def test_branch_goes_where_a_rejection_is_likeliest_to_be_caught() -> None:
+    # Draft 1 is unsure, but draft 0 is even less sure of itself than draft 1's runner-up counts.
+    choices = [choice(0.95, 0.03), choice(0.5, 0.45), choice(0.9, 0.08)]
+    assert choose_branch(choices, set()) == 1  # 0.95 * 0.45
+    assert choose_branch(choices, {1}) == 2  # 0.95 * 0.5 * 0.08 beats 0.03
+    assert choose_branch([choice(0.99, 0.005)] * 4, set()) is None  # nothing is worth a branch
+    assert choose_branch([choice(0.3, 0.3), choice(0.5, 0.5)], {0}) == 1 and 0.3 * 0.5 > MIN_CHANCE
+
+
+def test_draft_choice_reads_top_two_probabilities() -> None:
+    logits = np.log(np.array([0.1, 0.6, 0.05, 0.25]))
+    c = draft_choice(logits)
+    assert (c.token, c.runner_up) == (1, 3)
+    assert c.prob == pytest.approx(0.6) and c.runner_up_prob == pytest.approx(0.25)
+
+
+def test_drafter_keeps_the_main_line_cache_while_drafting_a_branch(tiny) -> None:
+    from specsplit.edge.drafter import OnnxDrafter
+
+    drafter = OnnxDrafter(tiny.draft_dir)
+    fed: list[int] = []
+    run = drafter._session.run
+    drafter._session.run = lambda names, feed: (fed.append(feed["input_ids"].shape[1]), run(names, feed))[1]
+    main = [5, 6, 7, 8, 9, 10]
+    for n in range(3, len(main) + 1):
+        drafter.next_logits(main[:n])
+    branch = [*main[:4], 20, 21]
+    for n in (5, 6):
+        got_branch = drafter.next_logits(branch[:n])
+    fed.clear()
+    got_main = drafter.next_logits([*main, 11])
+    assert fed == [1]  # the main line's cache was still there: only the new token was fed
+    fresh = OnnxDrafter(tiny.draft_dir)
+    np.testing.assert_allclose(got_main, fresh.next_logits([*main, 11]), atol=1e-4)
+    np.testing.assert_allclose(got_branch, fresh.next_logits(branch), atol=1e-4)
