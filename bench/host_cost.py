@@ -89,21 +89,21 @@ async def measure(sessions: int, mode: DraftMode, passes: int, window: int, alph
         t1 = time.perf_counter()
         assert batch, "every session answers at once, so every pass has some"
         forward[0] = 0.0
-        results = engine.verify_batch([item for _, _, item in batch])
+        results = engine.verify_batch([item for share in batch for item in share.items])
         t2 = time.perf_counter()
-        for (handle, task, _), result in zip(batch, results):
-            worker._deliver(handle, task, result, 0.02)
-            while not handle.outbox.empty():
-                handle.outbox.get_nowait()
+        for share in batch:
+            worker._deliver(share, [results.pop(0) for _ in share.items], 0.02)
+            while not share.handle.outbox.empty():
+                share.handle.outbox.get_nowait()
         t3 = time.perf_counter()
-        for handle, _, _ in batch:
-            _answer(handle, window, alpha, rng)
+        for share in batch:
+            _answer(share.handle, window, alpha, rng)
         t4 = time.perf_counter()
         if n >= 3:
             for part, seconds in zip(PARTS, (t1 - t0, t2 - t1 - forward[0], t3 - t2, t4 - t3)):
                 spent[part] += seconds
             rows += len(batch)
-            drafts_verified += sum(len(task.drafts) for _, task, _ in batch)
+            drafts_verified += sum(len(share.task.drafts) for share in batch)
     return {"mode": mode.name.lower(), "sessions": sessions, "passes": passes, "rows_per_pass": rows / passes,
             "drafts_per_row": drafts_verified / rows,
             "us_per_row": {part: 1e6 * spent[part] / rows for part in PARTS},

@@ -9,7 +9,7 @@ import numpy as np
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.hashing import HashedSequence, mix
 from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
-from specsplit.protocol.server_session import ServerConnection, ServerSession
+from specsplit.protocol.server_session import ServerConnection, ServerSession, VerifyTask
 
 VOCAB = 11
 EOS = 0
@@ -30,6 +30,12 @@ def target_logits(tokens: list[int], start: int, drafts: tuple[int, ...]) -> np.
         if j < len(drafts):
             prefix.append(drafts[j])
     return rows
+
+
+def task_logits(session: ServerSession, task: VerifyTask) -> tuple[np.ndarray, ...]:
+    """The fake target's rows for a task: its drafts', and its branch's fork if it has one."""
+    rows = target_logits(session.tokens, task.start, task.drafts)
+    return (rows, target_logits(session.tokens, task.start, task.fork_drafts)) if task.branch else (rows,)
 
 
 def draft_next(tokens: list[int], alpha: float, salt: int) -> int:
@@ -106,24 +112,29 @@ class Network:
             self.edge.push_draft(draft_next(self.edge.tokens, self.alpha, self.salt))
 
     def branch(self, offset: int, length: int, right: bool) -> None:
-        """Send a branch: if `right`, beside the first draft the target will reject, from the
-        target's choice there (a branch the server will take up if it arrives in time); else
-        beside the draft `offset` past the committed point, from a token the target may not want."""
+        """Send a branch (one at a time, as the client drafts them): if `right`, beside the
+        first draft the target will reject, from the target's choice there (a branch the
+        server can verify with that draft); else beside the draft `offset` past the committed
+        point, from a token the target may not want. With a branch open, send it longer."""
         tokens = self.edge.tokens
-        start = self.edge.committed_len + offset
-        if right:
-            start = self.edge.committed_len
-            while start < len(tokens) and tokens[start] == target_next(tokens[:start]):
-                start += 1
-        if start >= self.edge.sent_len or start in self.edge.branch_starts:
-            return
+        if self.edge.branch is not None:
+            start, branch = self.edge.branch[0], list(self.edge.branch[1])
+        else:
+            start = self.edge.committed_len + offset
+            if right:
+                start = self.edge.committed_len
+                while start < len(tokens) and tokens[start] == target_next(tokens[:start]):
+                    start += 1
+            if start >= self.edge.sent_len:
+                return
+            first = target_next(tokens[:start]) if right else (tokens[start] + 1 + offset) % VOCAB
+            if first == tokens[start]:
+                return
+            branch = [first]
         prefix = tokens[:start]
-        first = target_next(prefix) if right else (tokens[start] + 1 + offset) % VOCAB
-        if first == tokens[start]:
-            return
-        branch = [first]
         limit = self.edge.committed_len + self.limits.max_lookahead
-        while len(branch) < length and start + len(branch) < limit:
+        grown = len(branch) + length - 1
+        while len(branch) < grown and start + len(branch) < limit:
             branch.append(draft_next([*prefix, *branch], self.alpha, self.salt))
         self.up.append(self.edge.branch_chunk(start, branch))
         self.edge_prefixes.update(HashedSequence([*prefix, *branch]).hashes)
@@ -153,7 +164,7 @@ class Network:
             return
         task = s.next_task(budget)
         assert task is not None
-        self.down.extend(s.apply(task, target_logits(s.tokens, task.start, task.drafts)))
+        self.down.extend(s.apply(task, *task_logits(s, task)))
 
     def reconnect(self) -> None:
         """The stream breaks: everything in flight is lost; the edge re-opens."""

@@ -102,7 +102,7 @@ def _ready_worker(prompt_lengths: list[int], cfg: SchedulerConfig) -> tuple[Veri
 def test_round_robin_under_a_session_cap_starves_no_one() -> None:
     async def main() -> None:
         worker, ids = _ready_worker([3] * 7, SchedulerConfig(max_batch_sessions=3))
-        rounds = [[h.session.session_id for h, _, _ in worker._pick()[0]] for _ in range(math.ceil(7 / 3) * 2)]
+        rounds = [[sh.handle.session.session_id for sh in worker._pick()[0]] for _ in range(math.ceil(7 / 3) * 2)]
         assert all(len(r) == 3 for r in rounds)
         for sid in ids:  # every session in every window of ceil(7/3) consecutive rounds
             for i in range(len(rounds) - 2):
@@ -114,8 +114,8 @@ def test_round_robin_under_a_session_cap_starves_no_one() -> None:
 def test_a_long_prefill_runs_alone_and_is_not_passed_over() -> None:
     async def main() -> None:
         worker, _ = _ready_worker([2, 2, 100, 2], SchedulerConfig(max_batch_tokens=64))
-        first = [h.session.session_id for h, _, _ in worker._pick()[0]]
-        second = [h.session.session_id for h, _, _ in worker._pick()[0]]
+        first = [sh.handle.session.session_id for sh in worker._pick()[0]]
+        second = [sh.handle.session.session_id for sh in worker._pick()[0]]
         assert first == ["s0", "s1", "s3"]  # s2 would pad everyone to 100 tokens
         assert second == ["s2"]  # it leads the next round, alone: over budget by itself
 
@@ -155,11 +155,11 @@ def test_a_compute_bound_batch_verifies_fewer_drafts_per_session() -> None:
     async def main() -> None:
         # 64 x (4 + 8) tokens pad to 64 x 16; cut to 4 drafts each, 64 x 8 commit more per second.
         batch, _ = _drafting_worker(64, 8, 0.007, 5e-5)._pick()
-        assert len(batch) == 64 and {len(task.drafts) for _, task, _ in batch} == {4}
-        assert {item.feed_length for _, _, item in batch} == {8}
+        assert len(batch) == 64 and {len(sh.task.drafts) for sh in batch} == {4}
+        assert {sh.items[0].feed_length for sh in batch} == {8}
         # Where a pass costs the same whatever it carries, every draft is verified.
         batch, _ = _drafting_worker(64, 8, 0.02, 0.0)._pick()
-        assert {len(task.drafts) for _, task, _ in batch} == {8}
+        assert {len(sh.task.drafts) for sh in batch} == {8}
 
     asyncio.run(main())
 
@@ -184,7 +184,7 @@ def test_a_session_whose_drafts_were_poor_still_verifies_some_now_and_then() -> 
         worker.costs.observe(8, 1.0)  # CPU-like: 8 drafts cost 2.5 steps
         session = next(iter(worker.sessions.values())).session
         session.drafts_accepted, session.rejections = 0, 40
-        taken = [len(worker._pick()[0][0][1].drafts) for _ in range(6)]
+        taken = [len(worker._pick()[0][0].task.drafts) for _ in range(6)]
         assert taken == [0, 0, 0, 0, 4, 0]  # 4: the best size at the prior acceptance of 0.8
 
     asyncio.run(main())
@@ -209,7 +209,7 @@ def test_a_prefill_is_not_held_back_waiting_for_drafts() -> None:
         cached = _async_session(worker, "cached", prompt)
         cached.kv.tokens = list(prompt)  # its prompt is in the cache: only the last token to feed
         batch, soonest = worker._pick()
-        assert [h for h, _, _ in batch] == [fresh]
+        assert [sh.handle for sh in batch] == [fresh]
         assert soonest is not None and soonest > time.monotonic()  # the other waits for drafts
 
     asyncio.run(main())
@@ -282,3 +282,36 @@ def test_concurrent_sessions_are_batched_and_each_equals_the_target(tiny, batchi
     sessions = metric(metrics, "specsplit_verification_batch_sessions_sum")
     assert sessions > passes, "no pass verified more than one session"
 
+
+
+class MisorderingDrafter:
+    """The target's own export, sure of the target's choice, except at every third position,
+    where it proposes the target's runner-up, unsure of it, with the target's choice close
+    behind: the edge branches there from the right token, which the server must verify
+    beside the wrong one."""
+
+    def __init__(self, inner: OnnxDrafter) -> None:
+        self.inner = inner
+
+    def next_logits(self, trajectory) -> np.ndarray:  # type: ignore[no-untyped-def]
+        first, second = np.argsort(-self.inner.next_logits(trajectory))[:2]
+        logits = np.zeros(self.inner.meta.vocab_size)
+        if len(trajectory) % 3 == 0:
+            logits[second], logits[first] = 10.0, 9.9
+        else:
+            logits[first], logits[second] = 10.0, 4.0
+        return logits
+
+
+def test_branches_are_verified_beside_their_drafts_and_change_no_output(tiny) -> None:
+    mport = free_port()
+    tok = EdgeTokenizer(tiny.draft_dir)
+    with launch_server(tiny.target_dir, tiny.target_dir.parent / "branches.log", "--metrics-port", str(mport)) as (address, _):
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt)
+            cfg = EdgeConfig(mode="async", max_new_tokens=30, window=8)
+            result = asyncio.run(generate(address, ids, cfg, drafter=MisorderingDrafter(OnnxDrafter(tiny.same_dir)),
+                                          fingerprint=tok.fingerprint))
+            assert result.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens), prompt
+            assert result.stats.branches_taken > 0
+        assert metric(f"127.0.0.1:{mport}", "specsplit_branches_verified_total") > 0

@@ -1,5 +1,6 @@
-"""Branches: alternatives the edge drafts beside its drafts, which the server verifies at once
-when a correction matches their first token (protocol core, drafter caches, branch choice)."""
+"""Branches: alternatives the edge drafts beside its drafts, which the server verifies in the
+same pass as the drafts they stand beside, or takes up as candidates when a correction
+matches their first token (protocol core, drafter caches, branch choice)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,7 @@ from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, OpenRequest, SamplingParams, Verdict, VerificationMode
 from specsplit.protocol.server_session import MAX_BRANCHES, ServerSession
-from protocol_sim import VOCAB, target_next
+from protocol_sim import VOCAB, target_logits, target_next, task_logits
 from test_protocol_core import LIMITS, PROMPT, greedy_path, open_session, run_task
 
 
@@ -26,24 +27,56 @@ def edge_with_drafts(drafts: list[int]) -> EdgeSession:
     return e
 
 
-def test_a_branch_matching_the_correction_becomes_the_candidates() -> None:
-    right = greedy_path(list(PROMPT), 4)  # what the target will commit
+def test_a_branch_is_verified_in_the_same_pass_as_the_draft_it_stands_beside() -> None:
+    right = greedy_path(list(PROMPT), 6)  # what the target will commit
     e = edge_with_drafts([right[0], wrong(right[1]), 7])
     s = open_session()
     s.receive_draft(e.next_chunk())
     # The edge foresaw the rejection at position 4 and drafted on from the target's choice there.
-    s.receive_draft(e.branch_chunk(4, right[1:4]))
-    assert s.candidates == [right[0], wrong(right[1]), 7]
-    (verdict,) = run_task(s, 6)
-    assert verdict.tokens == (right[0], right[1]) and verdict.branch_tokens == 2
-    assert s.candidates == right[2:4] and s.branches_taken == 1
+    s.receive_draft(e.branch_chunk(4, [*right[1:4], wrong(right[4])]))
+    task = s.next_task(6)
+    assert task.drafts == (right[0], wrong(right[1]), 7) and task.branch_at == 4
+    assert task.fork_drafts == (right[0], *right[1:4], wrong(right[4]))
+    (verdict,) = s.apply(task, *task_logits(s, task))
+    # The draft at 4 is rejected for the branch's first token, the branch holds for two more
+    # and the fork's row after them gives the correction: five tokens from one pass.
+    assert verdict.tokens == tuple(right[:5]) and verdict.accepted == 3 and verdict.proposed == 6
+    assert s.branches_verified == s.branches_taken == 1 and s.candidates == [] and verdict.branch_tokens == 0
     assert e.apply_verdict(verdict) == 4
-    assert e.tokens == [*PROMPT, *right] and e.sent_len == len(e.tokens) and e.branches_taken == 1
+    assert e.tokens == [*PROMPT, *right[:5]] and e.branches_taken == 1 and e.branch is None
+
+
+def test_a_branch_that_came_after_the_pass_began_becomes_the_candidates() -> None:
+    right = greedy_path(list(PROMPT), 5)
+    e = edge_with_drafts([right[0], wrong(right[1]), 7])
+    s = open_session()
+    s.receive_draft(e.next_chunk())
+    task = s.next_task(6)
+    s.receive_draft(e.branch_chunk(4, right[1:4]))
+    (verdict,) = s.apply(task, target_logits(s.tokens, task.start, task.drafts))
+    assert verdict.tokens == (right[0], right[1]) and verdict.branch_tokens == 2
+    assert s.candidates == right[2:4] and s.branches_taken == 1 and s.branches_verified == 0
+    assert e.apply_verdict(verdict) == 4
+    assert e.tokens == [*PROMPT, *right[:4]] and e.sent_len == len(e.tokens) and e.branches_taken == 1
     assert e.next_chunk() is None  # the server holds all of it already
     (verdict,) = run_task(s, 6)
     assert verdict.accepted == 2
     e.apply_verdict(verdict)
-    assert s.generated == e.generated == greedy_path(list(PROMPT), 5)
+    assert s.generated == e.generated == right
+
+
+def test_the_edge_resends_what_the_server_lacks_of_a_branch_it_follows() -> None:
+    right = greedy_path(list(PROMPT), 4)
+    e = edge_with_drafts([right[0], wrong(right[1])])
+    s = open_session()
+    s.receive_draft(e.next_chunk())
+    e.branch_chunk(4, right[1:4])  # still on its way when the pass ends
+    (verdict,) = run_task(s, 6)
+    assert verdict.tokens == (right[0], right[1]) and verdict.branch_tokens == 0
+    e.apply_verdict(verdict)
+    assert e.tokens == [*PROMPT, *right[:4]] and e.sent_len == e.committed_len
+    s.receive_draft(e.next_chunk())
+    assert s.candidates == right[2:4]
 
 
 def test_a_branch_the_correction_does_not_match_is_left_unused() -> None:
@@ -53,9 +86,10 @@ def test_a_branch_the_correction_does_not_match_is_left_unused() -> None:
     s.receive_draft(e.next_chunk())
     s.receive_draft(e.branch_chunk(4, [wrong(wrong(right[1])), 1, 2]))
     (verdict,) = run_task(s, 6)
-    assert verdict.branch_tokens == 0 and s.candidates == []
+    assert verdict.tokens == tuple(right[:2]) and verdict.branch_tokens == 0 and s.candidates == []
+    assert s.branches_verified == 0
     e.apply_verdict(verdict)
-    assert e.tokens == [*PROMPT, *right[:2]] and e.branch_starts == set()
+    assert e.tokens == [*PROMPT, *right[:2]] and e.branch is None
 
 
 def test_a_branch_with_no_draft_beside_it_is_dropped() -> None:
@@ -69,8 +103,8 @@ def test_a_branch_with_no_draft_beside_it_is_dropped() -> None:
     s.receive_draft(main)
     (verdict,) = run_task(s, 6)
     assert verdict.tokens == tuple(right[:2]) and verdict.branch_tokens == 0
-    e.apply_verdict(verdict)  # the edge rolls back as usual and drafts on from the correction
-    assert e.tokens == [*PROMPT, *right[:2]] and e.sent_len == len(e.tokens)
+    e.apply_verdict(verdict)  # the edge follows its branch and sends it again as plain drafts
+    assert e.tokens == [*PROMPT, *right[:3]] and e.sent_len == e.committed_len
 
 
 def test_a_branch_is_not_taken_once_the_trajectory_before_it_changed() -> None:
@@ -84,7 +118,7 @@ def test_a_branch_is_not_taken_once_the_trajectory_before_it_changed() -> None:
     (verdict,) = run_task(s, 6)
     assert verdict.tokens == (right[0],) and verdict.branch_tokens == 0
     e.apply_verdict(verdict)
-    assert e.branch_starts == set()
+    assert e.branch is None
 
 
 def test_the_server_keeps_a_bounded_number_of_branches() -> None:
@@ -112,13 +146,6 @@ def test_sparse_q_refuses_branches() -> None:
         s.receive_draft(e.branch_chunk(3, [2, 3]))
 
 
-def test_edge_refuses_a_verdict_taking_a_branch_it_never_sent() -> None:
-    e = edge_with_drafts([1, 2])
-    e.next_chunk()
-    with pytest.raises(errors.VerdictOutOfOrder, match="branch"):
-        e.apply_verdict(Verdict(start=3, tokens=(1, 5), accepted=1, proposed=2, candidate_tip=7, branch_tokens=2))
-
-
 def test_edge_branch_must_stand_beside_a_sent_draft() -> None:
     e = edge_with_drafts([1, 2])
     with pytest.raises(ValueError):
@@ -130,7 +157,7 @@ def test_edge_branch_must_stand_beside_a_sent_draft() -> None:
         e.branch_chunk(4, [2])  # the same token as the draft
     e.branch_chunk(4, [3, 4])
     with pytest.raises(ValueError):
-        e.branch_chunk(4, [5])  # another first token for a position that has a branch
+        e.branch_chunk(4, [3, 5])  # not an extension of the branch sent there
 
 
 def choice(prob: float, runner_up_prob: float) -> DraftChoice:
@@ -139,11 +166,12 @@ def choice(prob: float, runner_up_prob: float) -> DraftChoice:
 
 def test_branch_goes_where_a_rejection_is_likeliest_to_be_caught() -> None:
     # Draft 1 is unsure, but draft 0 is even less sure of itself than draft 1's runner-up counts.
-    choices = [choice(0.95, 0.03), choice(0.5, 0.45), choice(0.9, 0.08)]
-    assert choose_branch(choices, set()) == 1  # 0.95 * 0.45
-    assert choose_branch(choices, {1}) == 2  # 0.95 * 0.5 * 0.08 beats 0.03
-    assert choose_branch([choice(0.99, 0.005)] * 4, set()) is None  # nothing is worth a branch
-    assert choose_branch([choice(0.3, 0.3), choice(0.5, 0.5)], {0}) == 1 and 0.3 * 0.5 > MIN_CHANCE
+    assert choose_branch([choice(0.95, 0.03), choice(0.5, 0.45), choice(0.9, 0.08)]) == 1  # 0.95 * 0.45
+    assert choose_branch([choice(0.6, 0.38), choice(0.5, 0.45)]) == 0  # 0.38 beats 0.6 * 0.45
+    assert choose_branch([choice(0.99, 0.005)] * 4) is None  # nothing is worth a branch
+    # Past the point where the line is likelier wrong than MIN_CHANCE allows, nothing counts.
+    assert choose_branch([choice(0.2, 0.05), choice(0.2, 0.05), choice(0.1, 0.9)]) is None
+    assert 0.2 * 0.2 < MIN_CHANCE
 
 
 def test_draft_choice_reads_top_two_probabilities() -> None:

@@ -19,7 +19,7 @@ from specsplit.protocol.messages import (
     VerificationMode,
 )
 from specsplit.protocol.server_session import ServerConnection, ServerSession
-from protocol_sim import EOS, VOCAB, target_logits, target_next
+from protocol_sim import EOS, VOCAB, target_logits, target_next, task_logits
 
 LIMITS = ServerLimits(vocab_size=VOCAB, max_context=40, max_lookahead=8, max_chunk=6, eos_ids=(EOS,))
 PROMPT = (3, 4, 5)
@@ -43,7 +43,7 @@ def chunk_on(trajectory: list[int], start: int, end: int) -> DraftChunk:
 
 def run_task(s: ServerSession, budget: int):
     task = s.next_task(budget)
-    return s.apply(task, target_logits(s.tokens, task.start, task.drafts))
+    return s.apply(task, *task_logits(s, task))
 
 
 def test_hash_chain_matches_incremental_mix() -> None:

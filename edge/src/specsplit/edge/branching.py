@@ -1,15 +1,16 @@
-"""Where an edge whose lookahead window is full should draft a branch, and from which token.
+"""Where an edge should draft a branch beside its line, and from which token.
 
 A branch pays off when the server rejects the draft it stands beside and corrects that
-position to the branch's first token: the server then verifies the branch at once instead
-of waiting a round trip for drafts from the correction. With p_j the drafter's probability
+position to the branch's first token: the server verifies the branch in the same pass (or
+takes it up as its candidates) instead of waiting a round trip for drafts from the
+correction. With p_j the drafter's probability
 of its own draft j (counted from the committed point) and r_i that of its runner-up at i,
 that happens about p_0 ... p_{i-1} r_i of the time: every draft before i accepted, then
 the runner-up right. The edge branches where that chance is largest, if it is not tiny.
 """
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,14 +35,14 @@ def draft_choice(logits: np.ndarray) -> DraftChoice:
     return DraftChoice(first, float(1.0 / z), second, float(np.exp(logits[second] - logits[first]) / z))
 
 
-def choose_branch(choices: Sequence[DraftChoice], branched: Container[int]) -> int | None:
-    """The index in `choices` (the drafts from the committed point on) to branch at, skipping
-    indices in `branched`; None if no branch has a chance of at least MIN_CHANCE."""
+def choose_branch(choices: Sequence[DraftChoice]) -> int | None:
+    """The index in `choices` (the drafts from the committed point on) to branch at; None if
+    no branch has a chance of at least MIN_CHANCE."""
     alive = 1.0  # chance that every draft before this one is accepted
     best, best_chance = None, MIN_CHANCE
     for i, choice in enumerate(choices):
         chance = alive * choice.runner_up_prob
-        if chance >= best_chance and i not in branched:
+        if chance >= best_chance:
             best, best_chance = i, chance
         alive *= choice.prob
         if alive < MIN_CHANCE:

@@ -3,9 +3,10 @@
 Three modes share one loop: `async` drafts ahead up to the lookahead window and never
 waits for verdicts; `sync` drafts k tokens, sends them, and waits for the verdict
 (the classic scheme, as a baseline); `none` sends no drafts (remote decoding, the
-autoregressive baseline). A greedy `async` edge whose window is full drafts branches
-(branching.py) instead of idling, so that a rejection it foresaw costs the server no wait. The drafter runs in a worker thread so verdicts are read
-and applied while it computes.
+autoregressive baseline). A greedy `async` edge also drafts a branch beside its line,
+from its runner-up where a rejection is likeliest (branching.py): the server verifies it
+in the same pass, so a rejection the edge foresaw costs no round trip. The drafter runs in
+a worker thread so verdicts are read and applied while it computes.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class EdgeConfig:
     window: int = 32  # async: how far ahead of the committed point to draft (with adaptive_window: at most)
     adaptive_window: bool = True  # async: size the lookahead from the acceptance seen so far (lookahead.py)
     k: int = 4  # sync: drafts per round
-    branch_tokens: int = 6  # async, greedy: length of the branches drafted while the window is full (0: none)
+    branch_tokens: int = 8  # async, greedy: the longest branch drafted beside the main line (0 or 1: none)
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
     verification: VerificationMode | None = None
@@ -241,7 +242,7 @@ class _Generation:
         pick = getattr(drafter, "next_token", None) if self.proposer.mode is VerificationMode.GREEDY else None
         # A branch needs the drafter's runner-up, so model-free drafters draft none.
         branching = (
-            not sync and pick is None and self.cfg.branch_tokens > 1 and self.proposer.mode is VerificationMode.GREEDY
+            not sync and pick is None and self.cfg.branch_tokens > 0 and self.proposer.mode is VerificationMode.GREEDY
         )
         awaiting: int | None = None  # sync: verdict count when the last round was sent
         while edge.done is None:
@@ -250,12 +251,11 @@ class _Generation:
                     await self._wait_change()
                     continue
                 awaiting = None
+            if branching and self._branch_due():
+                await self._extend_branch()
+                continue
             if edge.room() <= 0:
-                start = self._branch_point() if branching else None
-                if start is None:
-                    await self._wait_change()
-                else:
-                    await self._draft_branch(start)
+                await self._wait_change()
                 continue
             if pick is not None:
                 # A drafter that picks tokens without a model drafts inline: it fills the
@@ -286,47 +286,56 @@ class _Generation:
                 self._send(codec.draft_to_pb(chunk))
 
     def _branch_point(self) -> int | None:
-        """Where to branch now, among the drafts whose drafter view is known (branching.py)."""
+        """Where to branch now, among the sent drafts whose drafter view is known (branching.py)."""
         edge = self.edge
         assert edge is not None
         start = edge.committed_len
         choices: list[DraftChoice] = []
-        for position in range(start, len(edge.tokens)):
+        for position in range(start, edge.sent_len):
             choice = self._choices.get((position, edge.tokens[position]))
             if choice is None:
                 break
             choices.append(choice)
-        index = choose_branch(choices, {p - start for p in edge.branch_starts})
+        index = choose_branch(choices)
         return None if index is None else start + index
 
-    async def _draft_branch(self, start: int) -> None:
-        """Draft a branch from the runner-up at `start`, sending it each time it has grown by
-        two tokens (the server keeps the longest), until it is branch_tokens long, a verdict
-        settles `start`, or one opens the window for the main line."""
+    def _branch_due(self) -> bool:
+        """Whether the next drafting step should grow the branch rather than the main line.
+        One branch at a time, started at the branch point with the runner-up (which costs no
+        step), grown while it is shorter than the main line past its start (so both lines
+        move at half speed from there), or whenever the window leaves the main line no room."""
+        edge = self.edge
+        assert edge is not None
+        branch = edge.branch
+        if branch is None:
+            start = self._branch_point()
+            if start is None:
+                return False
+            tokens = (self._choices[start, edge.tokens[start]].runner_up,)
+            self._mark("send-branch", self._now(), start, 1)
+            self._send(codec.draft_to_pb(edge.branch_chunk(start, tokens)))
+            branch = start, tokens
+        start, tokens = branch
+        # A branch may not reach past the server's lookahead limit either.
+        length = min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
+        return len(tokens) < length and (len(tokens) < len(edge.tokens) - start or edge.room() <= 0)
+
+    async def _extend_branch(self) -> None:
+        """Draft one more token of the branch and send the branch again (the server keeps the longest)."""
         edge, drafter = self.edge, self.drafter
-        assert edge is not None and drafter is not None
-        loop = asyncio.get_running_loop()
+        assert edge is not None and drafter is not None and edge.branch is not None
+        start, tokens = edge.branch
         tip = edge.tip
-        tokens = [self._choices[start, edge.tokens[start]].runner_up]
-        while True:
-            # A branch may not reach past the server's lookahead limit either.
-            length = min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
-            if len(tokens) >= length:
-                return
-            trajectory = [*edge.tokens[:start], *tokens]
-            started = self._now()
-            logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
-            self._mark("branch", started, self._now(), len(trajectory))
-            if edge.done is not None or edge.tip != tip or start < edge.committed_len:
-                return
-            choice = draft_choice(logits)
-            self._choices[len(trajectory), choice.token] = choice
-            tokens.append(choice.token)
-            if len(tokens) % 2 == 0 or len(tokens) >= length:
-                self._mark("send-branch", self._now(), start, len(tokens))
-                self._send(codec.draft_to_pb(edge.branch_chunk(start, tokens)))
-            if edge.room() > 0:
-                return
+        trajectory = [*edge.tokens[:start], *tokens]
+        started = self._now()
+        logits = await asyncio.get_running_loop().run_in_executor(self._pool, drafter.next_logits, trajectory)
+        self._mark("branch", started, self._now(), len(trajectory))
+        if edge.done is not None or edge.tip != tip or edge.branch != (start, tokens):
+            return  # a verdict settled the branch meanwhile
+        choice = draft_choice(logits)
+        self._choices[len(trajectory), choice.token] = choice
+        self._mark("send-branch", self._now(), start, len(tokens) + 1)
+        self._send(codec.draft_to_pb(edge.branch_chunk(start, [*tokens, choice.token])))
 
 
 def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:

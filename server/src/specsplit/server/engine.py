@@ -65,6 +65,11 @@ class KVState:
             self.kv = self.kv[:, :, :, :length]
         del self.tokens[length:]
 
+    def fork(self) -> KVState | None:
+        """A second state starting from this one's cache, for a branch's row of a pass. They
+        share the tensor until a pass gives each its own: passes never write into a cache."""
+        return KVState(self.kv, list(self.tokens))
+
     def nbytes(self) -> int:
         """Memory held, including any part a crop cut off but did not free yet."""
         return 0 if self.kv is None else self.kv.untyped_storage().nbytes()

@@ -14,6 +14,10 @@ class ServerMetrics:
         self.tokens_committed = Counter("specsplit_tokens_committed", "Tokens committed", registry=r)
         self.drafts_proposed = Counter("specsplit_drafts_proposed", "Drafts verified", registry=r)
         self.drafts_accepted = Counter("specsplit_drafts_accepted", "Drafts accepted", registry=r)
+        self.branches_verified = Counter(
+            "specsplit_branches_verified", "Edge branches verified in the same pass as the draft they replaced",
+            registry=r,
+        )
         self.verify_seconds = Histogram(
             "specsplit_verification_seconds", "Target pass time per verification", registry=r,
             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),

@@ -81,6 +81,15 @@ class SessionHandle:
         return (n1 - n0) / (t1 - t0) if t1 - t0 > 0.2 else DEFAULT_DRAFT_RATE
 
 
+@dataclass(frozen=True)
+class Share:
+    """A session's part of one pass: its task and the rows that verify it."""
+
+    handle: SessionHandle
+    task: VerifyTask
+    items: tuple[VerifyItem, ...]
+
+
 class VerificationWorker:
     def __init__(self, engine: Engine, config: SchedulerConfig, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
@@ -184,46 +193,54 @@ class VerificationWorker:
                 soonest = at if soonest is None else min(soonest, at)
         cfg = self.config
         share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
-        batch: list[tuple[SessionHandle, VerifyTask, VerifyItem]] = []
-        longest = 0
+        batch: list[Share] = []
+        longest = rows = 0
         for h in ready:
-            s = h.session
-            task = s.next_task(min(h.budget, share))
-            assert task is not None
-            # A copy of the prefix: drafts may arrive while the model runs.
-            item = VerifyItem(h.kv, s.tokens[: task.start], task.drafts, greedy=s.mode is VerificationMode.GREEDY)
-            width = max(longest, item.feed_length)
-            if batch and (len(batch) + 1) * width > cfg.max_batch_tokens:
+            share_ = self._share(h, h.session.next_task(min(h.budget, share)), h.session.tokens)
+            width = max(longest, *(item.feed_length for item in share_.items))
+            if batch and (rows + len(share_.items)) * width > cfg.max_batch_tokens:
                 continue  # it leads the next round
-            batch.append((h, task, item))
-            longest = width
+            batch.append(share_)
+            longest, rows = width, rows + len(share_.items)
             if len(batch) == cfg.max_batch_sessions:
                 break
         if cfg.adaptive and len(batch) > 1:
             batch = self._cut_to_width(batch)
-        for h, task, _ in batch:
-            h.explorer.record(len(task.drafts), h.session.candidate_count)
+        for share_ in batch:
+            share_.handle.explorer.record(len(share_.task.drafts), share_.handle.session.candidate_count)
         # Round robin: the sessions just taken go to the back of the line.
-        taken = [h.session.session_id for h, _, _ in batch]
+        taken = [share_.handle.session.session_id for share_ in batch]
         if taken:
             chosen = set(taken)
             self._order = deque([*(sid for sid in self._order if sid not in chosen), *taken])
         return batch, soonest
 
-    def _cut_to_width(self, batch: list[tuple[SessionHandle, VerifyTask, VerifyItem]]
-                      ) -> list[tuple[SessionHandle, VerifyTask, VerifyItem]]:
+    @staticmethod
+    def _share(h: SessionHandle, task: VerifyTask | None, tokens: list[int]) -> Share:
+        """The items a session's task puts into a pass: its own row, and a row forked from
+        its cache for the task's branch, if it has one."""
+        assert task is not None
+        s = h.session
+        # A copy of the prefix: drafts may arrive while the model runs.
+        prefix, greedy = tokens[: task.start], s.mode is VerificationMode.GREEDY
+        items = [VerifyItem(h.kv, prefix, task.drafts, greedy=greedy)]
+        fork = h.kv.fork() if task.branch else None
+        if fork is not None:
+            items.append(VerifyItem(fork, prefix, task.fork_drafts, greedy=greedy))
+        return Share(h, task, tuple(items))
+
+    def _cut_to_width(self, batch: list[Share]) -> list[Share]:
         """Trim the sessions' drafts to the feed width that yields the most tokens per second
         for this batch (policy.choose_width): a few long feeds must not pad everyone."""
-        rows = [(item.feed_length - len(task.drafts), len(task.drafts),
-                 acceptance_estimate(h.session.drafts_accepted, h.session.rejections)) for h, task, item in batch]
-        width = choose_width(rows, lambda w: math.prod(self.engine.padded_shape(len(batch), w)), self.pass_costs)
+        rows = [(sh.items[0].feed_length - len(sh.task.drafts), len(sh.task.drafts),
+                 acceptance_estimate(sh.handle.session.drafts_accepted, sh.handle.session.rejections)) for sh in batch]
+        count = sum(len(sh.items) for sh in batch)
+        width = choose_width(rows, lambda w: math.prod(self.engine.padded_shape(count, w)), self.pass_costs)
         cut = []
-        for (h, task, item), (floor, drafts, _) in zip(batch, rows):
-            if drafts > width - floor:
-                task = h.session.next_task(width - floor)
-                assert task is not None
-                item = VerifyItem(h.kv, item.prefix, task.drafts, greedy=item.greedy)
-            cut.append((h, task, item))
+        for sh, (floor, drafts, _) in zip(batch, rows):
+            if drafts > width - floor or any(item.feed_length > width for item in sh.items):
+                sh = self._share(sh.handle, sh.handle.session.next_task(width - floor), list(sh.items[0].prefix))
+            cut.append(sh)
         return cut
 
     async def run(self) -> None:
@@ -237,29 +254,30 @@ class VerificationWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            self._in_flight = {h.session.session_id for h, _, _ in batch}
-            padded_tokens = math.prod(self.engine.padded_shape(len(batch), max(i.feed_length for _, _, i in batch)))
+            self._in_flight = {sh.handle.session.session_id for sh in batch}
+            items = [item for sh in batch for item in sh.items]
+            padded_tokens = math.prod(self.engine.padded_shape(len(items), max(i.feed_length for i in items)))
             try:
                 t0 = time.monotonic()
-                results = await self._verify([item for _, _, item in batch])
+                results = await self._verify(items)
                 elapsed = time.monotonic() - t0
             finally:
                 self._in_flight = set()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
-                          [i.feed_length for _, _, i in batch], [len(t.drafts) for _, t, _ in batch], elapsed * 1000)
-            if all(item.feed_length == len(task.drafts) + 1 for _, task, item in batch):
-                # Timed by drafts, so only passes that fed nothing else: one prefill would
-                # otherwise make verifying a draft or two look as dear as a prompt.
-                self.costs.observe(max(len(task.drafts) for _, task, _ in batch), elapsed)
+                          [i.feed_length for i in items], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
+            if len(items) == len(batch) and all(sh.items[0].feed_length == len(sh.task.drafts) + 1 for sh in batch):
+                # Timed by drafts, so only passes that fed nothing else: one prefill (or a
+                # branch's row) would otherwise make verifying a draft or two look as dear as a prompt.
+                self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
             self.pass_costs.observe(padded_tokens, elapsed)
             self.metrics.verify_seconds.observe(elapsed)
             self.metrics.batch_sessions.observe(len(batch))
             self.metrics.batch_tokens.observe(padded_tokens)
-            for (handle, task, _), result in zip(batch, results):
-                self.metrics.verify_drafts.observe(len(task.drafts))
-                handle.busy_s += elapsed / len(batch)
-                self._deliver(handle, task, result, elapsed)
+            for sh in batch:
+                self.metrics.verify_drafts.observe(len(sh.task.drafts))
+                sh.handle.busy_s += elapsed / len(batch)
+                self._deliver(sh, [results.pop(0) for _ in sh.items], elapsed)
             self._update_gauges()  # once per pass: it walks every session
 
     async def _verify(self, items: list[VerifyItem]) -> list:  # type: ignore[type-arg]
@@ -280,18 +298,30 @@ class VerificationWorker:
                 results.append(exc)
         return results
 
-    def _deliver(self, handle: SessionHandle, task: VerifyTask, result, elapsed: float) -> None:  # type: ignore[no-untyped-def]
+    def _deliver(self, share: Share, results: list, elapsed: float) -> None:  # type: ignore[type-arg]
+        handle, task = share.handle, share.task
         s = handle.session
         if s.session_id not in self.sessions:
-            handle.kv.crop(0)  # the edge went away during the pass
+            for item in share.items:
+                item.kv.crop(0)  # the edge went away during the pass
             return
-        if isinstance(result, Exception):  # a failing model must not take the other sessions down
-            log.error("session %s: verification failed", s.session_id, exc_info=result,
+        failed = next((r for r in results if isinstance(r, Exception)), None)
+        if failed is not None:  # a failing model must not take the other sessions down
+            log.error("session %s: verification failed", s.session_id, exc_info=failed,
                       extra={"session": s.session_id})
-            handle.outbox.put_nowait(result)
+            handle.outbox.put_nowait(failed)
             self.remove(s.session_id)
             return
-        for event in s.apply(task, result):
+        verified = s.branches_verified
+        events = s.apply(task, *results)
+        self.metrics.branches_verified.inc(s.branches_verified - verified)
+        if len(share.items) > 1:
+            # Keep whichever row's cache goes further along what is now committed.
+            committed = s.tokens[: s.committed_len]
+            fork = share.items[1].kv
+            if fork.reusable(committed) > handle.kv.reusable(committed):
+                handle.kv = fork
+        for event in events:
             if isinstance(event, Verdict):
                 event = dataclasses.replace(event, verify_ms=elapsed * 1000)
             elif isinstance(event, Done):

@@ -104,6 +104,10 @@ class SlotState(KVState):
             self.engine.free.append(self.slot)
             self.slot = None
 
+    def fork(self) -> None:
+        """Slots hold one line each: a branch is not verified beside its session here."""
+        return None
+
     def nbytes(self) -> int:
         return 0 if self.slot is None else self.engine.cache.bytes_per_slot
 

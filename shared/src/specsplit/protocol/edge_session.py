@@ -4,10 +4,11 @@ The edge drafts ahead of the committed point by at most `window` tokens and neve
 waits for verdicts. A verdict that contradicts its trajectory rolls the trajectory
 back to the committed point; the drafter then re-syncs its KV cache from there.
 
-While its window is full, an edge may draft a branch: an alternative to one of its
-drafts, sent aside. If a verdict corrects that position to the branch's first token, the
-server has already taken up the rest of the branch as candidates (the verdict says so)
-and the edge carries on from the branch's end instead of from the correction.
+An edge may also draft a branch: an alternative to one of its drafts (its runner-up
+there and what follows it), sent aside. If a verdict commits the branch's first token at
+that position, the server has made the rest of the branch its candidates (the verdict says
+how many of them it holds) and so does the edge: it carries on from the branch's end
+instead of from the correction.
 """
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ class EdgeSession:
         return chunk
 
     @property
-    def branch_starts(self) -> set[int]:
-        return set(self._branches)
+    def branch(self) -> tuple[int, tuple[int, ...]] | None:
+        """The earliest branch sent and still open: (position, tokens)."""
+        return min(self._branches.items()) if self._branches else None
 
     def branch_chunk(self, start: int, tokens: Sequence[int]) -> DraftChunk:
         """Send `tokens` as an alternative to the sent drafts from `start` on (one branch per
@@ -108,8 +110,8 @@ class EdgeSession:
         if not tokens or tokens[0] == self._seq.tokens[start]:
             raise ValueError("a branch's first token must differ from the draft it stands beside")
         old = self._branches.get(start)
-        if old is not None and old[0] != tokens[0]:
-            raise ValueError(f"position {start} already has a branch with another first token")
+        if old is not None and tuple(tokens[: len(old)]) != old:
+            raise ValueError(f"position {start} already has a branch that this one does not extend")
         self.branch_drafted += len(tokens) - (len(old) if old is not None else 0)
         self._branches[start] = tuple(tokens)
         self._in_flight.append((self._chunks_sent, None))
@@ -127,46 +129,59 @@ class EdgeSession:
                 f"verdict starts at {verdict.start} but the committed point is {self.committed_len}"
             )
         new = verdict.tokens
+        switched = self._follow_branch(new)
         spec = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
         agree = 0
         while agree < len(spec) and spec[agree] == new[agree]:
             agree += 1
-        resync: int | None = None
+        resync = switched
         if agree < len(new):
-            resync = self.committed_len + agree
-            self.wasted += len(self._seq) - resync
-            self._seq.truncate(resync)
+            resync = min(self.committed_len + agree, switched if switched is not None else len(self._seq))
+            self.wasted += len(self._seq) - (self.committed_len + agree)
+            self._seq.truncate(self.committed_len + agree)
             del self._dists[agree:]
             self._seq.extend(new[agree:])
             self._dists.extend([None] * (len(new) - agree))
             if agree < len(spec):
                 # Everything sent past the divergence is stale on the server too.
-                self.sent_len = resync
+                self.sent_len = self.committed_len + agree
                 self._in_flight.clear()
         del self._dists[: len(new)]
         self.committed_len += len(new)
         self.sent_len = max(self.sent_len, self.committed_len)
-        if verdict.branch_tokens:
-            self._take_branch(verdict)
-        # A branch for a committed position is spent; one past a rollback hangs off drafts now gone.
+        if switched is not None:
+            # The server holds as candidates what the verdict says of the branch; what it
+            # lacks (a longer branch still on its way, say) goes again as plain drafts.
+            self.sent_len = min(len(self._seq), self.committed_len + verdict.branch_tokens)
+            self._in_flight.clear()
+        # A branch for a committed position is spent; one past a change hangs off drafts now gone.
         self._branches = {
             p: b for p, b in self._branches.items() if p >= self.committed_len and (resync is None or p < resync)
         }
         self._resend_if_dropped(verdict)
         return resync
 
-    def _take_branch(self, verdict: Verdict) -> None:
-        """The server made the branch at the correction its candidates: so does the edge."""
-        position = self.committed_len - 1
+    def _follow_branch(self, new: Sequence[int]) -> int | None:
+        """If the verdict's tokens leave this edge's drafts where it sent a branch, taking
+        the branch's first token there, make the branch its drafts from that position on, as
+        the server does; returns the position, or None."""
+        position = self.committed_len
+        for held, token in zip(self._seq.tokens[position:], new):
+            if held != token:
+                break
+            position += 1
+        else:
+            return None
         branch = self._branches.pop(position, None)
-        if branch is None or branch[0] != self._seq.tokens[position] or len(branch) <= verdict.branch_tokens:
-            raise errors.VerdictOutOfOrder(
-                f"verdict takes up {verdict.branch_tokens} tokens of a branch at {position} that this edge did not send"
-            )
-        self._seq.extend(branch[1 : 1 + verdict.branch_tokens])
-        self._dists.extend([None] * verdict.branch_tokens)
-        self.sent_len = len(self._seq)
+        if branch is None or branch[0] != new[position - self.committed_len]:
+            return None
+        self.wasted += len(self._seq) - position
+        del self._dists[position - self.committed_len :]
+        self._seq.truncate(position)
+        self._seq.extend(branch)
+        self._dists.extend([None] * len(branch))
         self.branches_taken += 1
+        return position
 
     def _resend_if_dropped(self, verdict: Verdict) -> None:
         """If the server held less than the chunks it had received should have given
@@ -182,6 +197,8 @@ class EdgeSession:
             self.sent_len = max(self.committed_len, min(self.sent_len, verdict.candidate_tip))
             self._in_flight.clear()
             self.resends += 1
+            # A branch beside drafts the server lacks stands beside nothing there.
+            self._branches = {p: b for p, b in self._branches.items() if p < self.sent_len}
 
     def apply_done(self, done: Done) -> None:
         if done.committed_length != self.committed_len:

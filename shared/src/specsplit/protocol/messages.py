@@ -115,7 +115,7 @@ class Verdict:
     chunks_received: int = 0
     drafts_dropped: int = 0
     verify_ms: float = 0.0  # filled in by the transport, which owns the clock
-    branch_tokens: int = 0  # the correction took up the edge's branch: this many of its tokens are candidates
+    branch_tokens: int = 0  # the verdict moved the candidates onto the edge's branch: this many of them past the committed tokens
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,14 @@ candidates, with a rolling hash per position. A draft chunk is admitted only if 
 parent hash equals the session's hash just before the chunk's start, so chunks
 drafted on a trajectory the server has since contradicted drop out by themselves.
 
-A branch chunk is an alternative the edge drafted for one of the candidates: it waits
-beside the trajectory and, if a verdict corrects its position to the branch's first
-token, its remaining tokens become the candidates at once, so the next verification
-need not wait a round trip for the edge to draft on from the correction.
+A branch chunk is an alternative the edge drafted for one of the candidates: the
+edge's runner-up there and the drafts that follow it. It waits beside the trajectory.
+A verification whose drafts reach a branch's position also feeds the branch, as a second
+row of the same pass, forked from the session's cache; if the target rejects the
+candidate there in favour of the branch's first token, the branch's further tokens are
+checked against that row at once. Either way, once a verdict commits the branch's first
+token at its position, the rest of the branch becomes the candidates, so the next
+verification need not wait a round trip for the edge to draft on from the correction.
 """
 from __future__ import annotations
 
@@ -39,11 +43,20 @@ MAX_BRANCHES = 8  # branches a session keeps aside; a newer one pushes out the o
 
 @dataclass(frozen=True)
 class VerifyTask:
-    """Verify `drafts` at positions start.. ; with no drafts, an autoregressive step."""
+    """Verify `drafts` at positions start.. ; with no drafts, an autoregressive step.
+
+    With a `branch` (the edge's alternative from position `branch_at`, inside the drafts),
+    the pass also verifies `fork_drafts`: the drafts before the branch, then the branch."""
 
     start: int
     drafts: tuple[int, ...]
     dists: tuple[SparseDist, ...] = ()
+    branch_at: int = 0
+    branch: tuple[int, ...] = ()
+
+    @property
+    def fork_drafts(self) -> tuple[int, ...]:
+        return (*self.drafts[: self.branch_at - self.start], *self.branch) if self.branch else ()
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -75,7 +88,8 @@ class ServerSession:
         # (position, first token) -> (parent hash, tokens): alternatives waiting for a correction
         self._branches: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
         self.branches_received = 0
-        self.branches_taken = 0
+        self.branches_taken = 0  # verdicts that moved the candidates onto a branch
+        self.branches_verified = 0  # of those, the ones whose branch the same pass verified
         if request.committed_ids:
             # A resumed generation may already have ended before the reconnect.
             _, reason = self._termination([request.committed_ids[-1]], already_committed=True)
@@ -244,33 +258,44 @@ class ServerSession:
         while len(self._branches) > MAX_BRANCHES:
             del self._branches[next(iter(self._branches))]
 
-    def _take_branch(self, position: int, token: int) -> int:
-        """After a correction to `token` at `position` (now the last committed token), make
-        the edge's branch for it the candidates; returns how many tokens that added. Branches
-        for committed positions are dropped: their chance has passed."""
-        branch = self._branches.pop((position, token), None)
-        for key in [k for k in self._branches if k[0] < self.committed_len]:
-            del self._branches[key]
-        # Candidates left after the verdict continue the correction already (the edge sent them).
-        if branch is None or self.candidate_count or branch[0] != self._seq.hash_before(position):
-            return 0
-        rest = branch[1][1:]
-        self._seq.extend(rest)
-        self._dists.extend([None] * len(rest))
-        self.branches_taken += bool(rest)
-        return len(rest)
+    def _follow_branch(self, new: Sequence[int]) -> bool:
+        """If the tokens about to be committed leave the candidates where a branch stands
+        and take the branch's first token there, make the branch the candidates from that
+        position on (the edge, which sent it, does the same); returns whether it did."""
+        position = self.committed_len
+        for held, token in zip(self._seq.tokens[position:], new):
+            if held != token:
+                break
+            position += 1
+        else:
+            return False
+        branch = self._branches.pop((position, new[position - self.committed_len]), None)
+        if branch is None or branch[0] != self._seq.hash_before(position):
+            return False
+        self._truncate(position)
+        self._seq.extend(branch[1])
+        self._dists.extend([None] * len(branch[1]))
+        self.branches_taken += 1
+        return True
 
     # -- verification ----------------------------------------------------------
 
     def next_task(self, max_drafts: int) -> VerifyTask | None:
-        """The next verification: up to max_drafts candidates, or an AR step if none."""
+        """The next verification: up to max_drafts candidates, or an AR step if none; with
+        the earliest branch that stands beside one of them, cut to the same length."""
         if self.done is not None:
             return None
         remaining_new = self.max_new - (self.committed_len - self.prompt_len)
         room = self.limits.max_context - self.committed_len
-        n = max(0, min(max_drafts, len(self._seq) - self.committed_len, remaining_new - 1, room - 1))
+        limit = max(0, min(max_drafts, remaining_new - 1, room - 1))
+        n = min(limit, len(self._seq) - self.committed_len)
+        start = self.committed_len
         dists = tuple(self._dists[:n]) if self.mode is VerificationMode.SPARSE_Q else ()
-        return VerifyTask(self.committed_len, tuple(self._seq.tokens[self.committed_len : self.committed_len + n]), dists)  # type: ignore[arg-type]
+        drafts = tuple(self._seq.tokens[start : start + n])
+        for (position, _), (parent, tokens) in sorted(self._branches.items()):
+            if start <= position < start + n and parent == self._seq.hash_before(position):
+                return VerifyTask(start, drafts, dists, position, tokens[: limit - (position - start)])  # type: ignore[arg-type]
+        return VerifyTask(start, drafts, dists)  # type: ignore[arg-type]
 
     def _termination(self, new: Sequence[int], already_committed: bool = False) -> tuple[int, DoneReason | None]:
         """How many of the new tokens to commit, and why the session ends, if it does."""
@@ -287,19 +312,33 @@ class ServerSession:
                 return i + 1, DoneReason.CONTEXT
         return len(new), None
 
-    def apply(self, task: VerifyTask, logits: np.ndarray) -> list[Verdict | Done]:
-        """Commit the outcome of verifying `task` with the target's logits for it."""
+    def apply(self, task: VerifyTask, logits: np.ndarray, fork_logits: np.ndarray | None = None) -> list[Verdict | Done]:
+        """Commit the outcome of verifying `task` with the target's logits for it (and, for
+        a task with a branch, those for its fork_drafts)."""
         if self.done is not None:
             return []
         if task.start != self.committed_len:
             raise RuntimeError(f"stale task at {task.start}, committed point is {self.committed_len}")
-        outcome = verify(logits, task.drafts, task.start, self.request.sampling, self.mode, task.dists)
+        sampling = self.request.sampling
+        outcome = verify(logits, task.drafts, task.start, sampling, self.mode, task.dists)
         new = [*task.drafts[: outcome.accepted], outcome.token]
+        drafted = [True] * outcome.accepted + [False]  # which new tokens are accepted drafts
+        offered = len(task.drafts)
+        fork = task.branch_at - task.start
+        if task.branch and fork_logits is not None and outcome.accepted == fork and outcome.token == task.branch[0]:
+            # The target chose the branch's first token: the fork's rows after it are the
+            # target's view of the positions that follow, as a later pass would compute them.
+            more = verify(fork_logits[fork + 1 :], task.branch[1:], task.branch_at + 1, sampling, self.mode)
+            new += [*task.branch[1 : 1 + more.accepted], more.token]
+            drafted += [True] * more.accepted + [False]
+            offered += len(task.branch) - 1
+            self.branches_verified += 1
         cut, reason = self._termination(new)
         new = new[:cut]
-        accepted = min(outcome.accepted, cut)
+        accepted = sum(drafted[:cut])
         # Drafts past an ending were never in question; all others were.
-        considered = len(task.drafts) if reason is None else min(len(task.drafts), cut)
+        considered = offered if reason is None else min(offered, cut)
+        switched = self._follow_branch(new)
         # Keep candidates beyond the new tokens only if they continue the committed trajectory.
         held = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
         agree = 0
@@ -315,7 +354,8 @@ class ServerSession:
         self.drafts_accepted += accepted
         if accepted < considered:
             self.rejections += 1
-        taken = self._take_branch(self.committed_len - 1, new[-1]) if reason is None else 0
+        for key in [k for k in self._branches if k[0] < self.committed_len]:
+            del self._branches[key]  # their chance has passed
         events: list[Verdict | Done] = [
             Verdict(
                 start=task.start,
@@ -326,7 +366,7 @@ class ServerSession:
                 verifications=self.verifications,
                 chunks_received=self.chunks_received,
                 drafts_dropped=self.drafts_dropped,
-                branch_tokens=taken,
+                branch_tokens=self.candidate_count if switched and reason is None else 0,
             )
         ]
         if reason is not None:
