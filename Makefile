@@ -51,7 +51,7 @@ bench-quick: $(STAMP)
 
 # All 12 prompts at the goal's RTT (50 ms) only, every sync k, no HF: about 40 minutes.
 bench-rtt50: $(STAMP)
-	$(PY) bench/run_bench.py --name rtt50 --rtt-ms 50 --max-new-tokens 64 --sync-k 2 4 6 8 --no-hf $(BENCH_ARGS)
+	$(PY) bench/run_bench.py --name rtt50 --rtt-ms 50 --max-new-tokens 64 --sync-k 2 4 6 8 --no-hf --async-no-branches $(BENCH_ARGS)
 
 # What each mode can reach with these models and this target speed, and what-ifs, from the
 # 12-prompt RTT 50 ms run (bench/results/rtt50.json) and the target's pass times on this CPU

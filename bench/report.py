@@ -170,7 +170,7 @@ def render_markdown(result: dict) -> str:
                              f"{plain['tokens_per_s'] / best['tokens_per_s']:.2f}x {best['mode']}")
             if any("branches_taken" in r for r in result["runs"]):  # runs from before branches lack it
                 lines.append(f"- async's rejections: {by['async']['rejections']}, after {by['async']['branches_taken']} "
-                             "of which the server verified the edge's branch at once")
+                             "of which the edge carried on along the branch it had drafted there")
     runs = [r for r in result["runs"] if r["mode"] == "async" and r.get("timeline")]
     if runs:
         pick = next((r for r in runs if r["rtt_ms"] == 50), runs[0])

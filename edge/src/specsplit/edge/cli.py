@@ -11,6 +11,7 @@ import grpc
 
 import os
 
+from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import MODES, ConnectOptions, EdgeConfig, StreamStalled, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
@@ -124,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "ahead always")
     g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
     g.add_argument("--branch-tokens", type=int, default=EdgeConfig.branch_tokens,
-                   help="async, greedy: while the window is full, draft branches of this many tokens from the "
-                   "drafter's runner-up where a rejection is likeliest; the server verifies one at once if its "
-                   "correction matches (default %(default)s; 0: no branches)")
+                   help="async, greedy: beside its drafts, draft a branch of up to this many tokens from the "
+                   f"drafter's runner-up where a rejection is likeliest (if that chance is at least {MIN_CHANCE}), in the "
+                   "same batched steps as the drafts; the server verifies it in the pass that verifies the draft "
+                   "beside it (default %(default)s; 0: no branches)")
     g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
 from specsplit.edge.drafter import Drafter
@@ -251,7 +252,8 @@ class _Generation:
                     await self._wait_change()
                     continue
                 awaiting = None
-            if branching and self._branch_due():
+            branch_due = branching and self._branch_due()
+            if branch_due and (edge.room() <= 0 or not hasattr(drafter, "next_logits_pair")):
                 await self._extend_branch()
                 continue
             if edge.room() <= 0:
@@ -268,7 +270,15 @@ class _Generation:
                 trajectory = list(edge.tokens)
                 tip = edge.tip
                 started = self._now()
-                logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
+                if branch_due:
+                    # The line and its branch grow in one batched step (drafter.next_logits_pair).
+                    branch = edge.branch
+                    assert branch is not None
+                    logits, branch_logits = await loop.run_in_executor(
+                        self._pool, drafter.next_logits_pair, trajectory, [*trajectory[: branch[0]], *branch[1]])
+                    self._grow_branch(branch, branch_logits)
+                else:
+                    logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
                 self._mark("draft", started, self._now(), len(trajectory))
                 if edge.done is not None or edge.tip != tip:
                     continue  # a verdict changed the trajectory meanwhile: draft again from it
@@ -321,19 +331,26 @@ class _Generation:
         return len(tokens) < length and (len(tokens) < len(edge.tokens) - start or edge.room() <= 0)
 
     async def _extend_branch(self) -> None:
-        """Draft one more token of the branch and send the branch again (the server keeps the longest)."""
+        """Draft one more token of the branch alone."""
         edge, drafter = self.edge, self.drafter
         assert edge is not None and drafter is not None and edge.branch is not None
-        start, tokens = edge.branch
-        tip = edge.tip
-        trajectory = [*edge.tokens[:start], *tokens]
+        branch = edge.branch
+        trajectory = [*edge.tokens[: branch[0]], *branch[1]]
         started = self._now()
         logits = await asyncio.get_running_loop().run_in_executor(self._pool, drafter.next_logits, trajectory)
         self._mark("branch", started, self._now(), len(trajectory))
-        if edge.done is not None or edge.tip != tip or edge.branch != (start, tokens):
-            return  # a verdict settled the branch meanwhile
+        self._grow_branch(branch, logits)
+
+    def _grow_branch(self, branch: tuple[int, tuple[int, ...]], logits: np.ndarray) -> None:
+        """Add the drafter's choice after `branch` to it and send it again (the server keeps the
+        longest), unless a verdict settled the branch while the drafter ran."""
+        edge = self.edge
+        assert edge is not None
+        start, tokens = branch
+        if edge.done is not None or edge.branch != branch:
+            return
         choice = draft_choice(logits)
-        self._choices[len(trajectory), choice.token] = choice
+        self._choices[start + len(tokens), choice.token] = choice
         self._mark("send-branch", self._now(), start, len(tokens) + 1)
         self._send(codec.draft_to_pb(edge.branch_chunk(start, [*tokens, choice.token])))
 

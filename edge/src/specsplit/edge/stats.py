@@ -28,8 +28,8 @@ class GenerationStats:
     mean_accepted: float = 0.0  # accepted drafts per verification
     drafts_made: int = 0
     drafts_wasted: int = 0
-    branch_drafted: int = 0  # tokens sent in branches (beside drafts_made)
-    branches_taken: int = 0  # branches the server took up after a correction
+    branch_drafted: int = 0  # tokens drafted for branches (beside drafts_made)
+    branches_taken: int = 0  # verdicts that moved the edge onto the branch it had drafted
     bytes_up: int = 0
     bytes_down: int = 0
     done_reason: str = ""

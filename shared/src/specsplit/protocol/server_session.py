@@ -81,7 +81,7 @@ class ServerSession:
         self.done: Done | None = None
         self.verifications = 0
         self.chunks_received = 0
-        self.drafts_received = 0
+        self.drafts_received = 0  # tokens of drafts, branches not counted
         self.drafts_dropped = 0
         self.drafts_accepted = 0
         self.rejections = 0  # verifications that stopped at a rejected draft
@@ -217,10 +217,10 @@ class ServerSession:
         if self.done is not None:
             return 0
         self._validate_draft(chunk)
-        self.drafts_received += len(chunk.tokens)
         if chunk.branch:
             self._keep_branch(chunk)
             return 0
+        self.drafts_received += len(chunk.tokens)  # the line's drafts: the scheduler times their arrival
         if chunk.start > len(self._seq) or chunk.parent_hash != self._seq.hash_before(chunk.start):
             self.drafts_dropped += len(chunk.tokens)
             return 0
