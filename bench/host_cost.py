@@ -89,10 +89,10 @@ async def measure(sessions: int, mode: DraftMode, passes: int, window: int, alph
         t1 = time.perf_counter()
         assert batch, "every session answers at once, so every pass has some"
         forward[0] = 0.0
-        results = engine.verify_batch([item for share in batch for item in share.items])
+        results = engine.verify_batch([share.item for share in batch])
         t2 = time.perf_counter()
-        for share in batch:
-            worker._deliver(share, [results.pop(0) for _ in share.items], 0.02)
+        for share, result in zip(batch, results):
+            worker._deliver(share, result, 0.02)
             while not share.handle.outbox.empty():
                 share.handle.outbox.get_nowait()
         t3 = time.perf_counter()

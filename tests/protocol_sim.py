@@ -33,9 +33,13 @@ def target_logits(tokens: list[int], start: int, drafts: tuple[int, ...]) -> np.
 
 
 def task_logits(session: ServerSession, task: VerifyTask) -> tuple[np.ndarray, ...]:
-    """The fake target's rows for a task: its drafts', and its branch's fork if it has one."""
+    """The fake target's rows for a task: its drafts', and if it has a branch, those after
+    each of the branch's tokens."""
     rows = target_logits(session.tokens, task.start, task.drafts)
-    return (rows, target_logits(session.tokens, task.start, task.fork_drafts)) if task.branch else (rows,)
+    if not task.branch:
+        return (rows,)
+    fork = (*task.drafts[: task.branch_at - task.start], *task.branch)
+    return rows, target_logits(session.tokens, task.start, fork)[len(fork) - len(task.branch) + 1 :]
 
 
 def draft_next(tokens: list[int], alpha: float, salt: int) -> int:

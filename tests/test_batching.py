@@ -156,7 +156,7 @@ def test_a_compute_bound_batch_verifies_fewer_drafts_per_session() -> None:
         # 64 x (4 + 8) tokens pad to 64 x 16; cut to 4 drafts each, 64 x 8 commit more per second.
         batch, _ = _drafting_worker(64, 8, 0.007, 5e-5)._pick()
         assert len(batch) == 64 and {len(sh.task.drafts) for sh in batch} == {4}
-        assert {sh.items[0].feed_length for sh in batch} == {8}
+        assert {sh.item.feed_length for sh in batch} == {8}
         # Where a pass costs the same whatever it carries, every draft is verified.
         batch, _ = _drafting_worker(64, 8, 0.02, 0.0)._pick()
         assert {len(sh.task.drafts) for sh in batch} == {8}

@@ -57,18 +57,26 @@ class KVState:
 
     kv: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
+    # After a pass that fed a branch: (its position, its tokens); its keys and values sit past the tokens'.
+    branch: tuple[int, tuple[int, ...]] | None = None
 
     def crop(self, length: int) -> None:
+        self.branch = None
         if length == 0:
             self.kv = None
         elif self.kv is not None and length < self.kv.shape[3]:
             self.kv = self.kv[:, :, :, :length]
         del self.tokens[length:]
 
-    def fork(self) -> KVState | None:
-        """A second state starting from this one's cache, for a branch's row of a pass. They
-        share the tensor until a pass gives each its own: passes never write into a cache."""
-        return KVState(self.kv, list(self.tokens))
+    def take_branch(self) -> None:
+        """Make the branch of the last pass this cache's line: its keys and values follow
+        those of the drafts, and replace them from the branch's position on."""
+        assert self.kv is not None and self.branch is not None
+        at, tokens = self.branch
+        end = len(self.tokens)
+        self.kv = torch.cat((self.kv[:, :, :, :at], self.kv[:, :, :, end : end + len(tokens)]), dim=3)
+        self.tokens = [*self.tokens[:at], *tokens]
+        self.branch = None
 
     def nbytes(self) -> int:
         """Memory held, including any part a crop cut off but did not free yet."""
@@ -83,18 +91,22 @@ class KVState:
 
 @dataclass
 class VerifyItem:
-    """One session's share of a pass."""
+    """One session's share of a pass. A `branch` stands beside drafts[branch_from]: it is fed
+    after the drafts, each of its tokens seeing the prefix, the drafts before it and the
+    branch up to itself, as if it had been fed in their place."""
 
     kv: KVState
     prefix: Sequence[int]  # the committed sequence
     drafts: Sequence[int]
     greedy: bool = False  # only the argmax of each row is needed
+    branch_from: int = 0
+    branch: Sequence[int] = ()
 
     @cached_property
     def feed_length(self) -> int:
         """Tokens this item puts through the model (the part of it the cache lacks); read
         before the pass, while the cache is as the item found it."""
-        return len(self.prefix) + len(self.drafts) - self.kv.reusable(self.prefix)
+        return len(self.prefix) + len(self.drafts) + len(self.branch) - self.kv.reusable(self.prefix)
 
 
 class Engine(Protocol):
@@ -114,6 +126,11 @@ class Engine(Protocol):
         """(rows, tokens per row) a pass over `sessions` feeds of at most `longest` tokens computes."""
         ...
 
+    @property
+    def verifies_branches(self) -> bool:
+        """Whether items may carry a branch."""
+        ...
+
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]: ...
 
 
@@ -129,6 +146,8 @@ class TargetEngine:
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return sessions, longest  # right-padded to the longest feed, no more
 
+    verifies_branches = True
+
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
@@ -139,26 +158,33 @@ class TargetEngine:
 
     @torch.inference_mode()
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]:
-        """Per item: its len(drafts) + 1 logit rows (float32), or their argmax ids if greedy."""
+        """Per item: its len(drafts) + 1 + len(branch) logit rows (float32), or their argmax
+        ids if greedy: the rows after the prefix, after each draft, after each branch token."""
         seqs = [[*it.prefix, *it.drafts] for it in items]
         past = []
         for it in items:
             keep = it.kv.reusable(it.prefix)
             it.kv.crop(keep)
             past.append(keep)
-        feeds = [seq[keep:] for seq, keep in zip(seqs, past)]
+        feeds = [[*seq[keep:], *it.branch] for seq, keep, it in zip(seqs, past, items)]
         b, width, longest = len(items), max(past), max(len(f) for f in feeds)
-        wanted = [len(it.drafts) + 1 for it in items]
+        wanted = [len(it.drafts) + 1 + len(it.branch) for it in items]
         # Only the positions whose logits someone needs go through the vocabulary projection
         # (most of a prompt's prefill cost on CPU). Row i's last real position is len(feed) - 1.
         keep = max(longest - len(f) + w for f, w in zip(feeds, wanted))
         ids = torch.full((b, longest), PAD_ID, dtype=torch.long)
         positions = torch.zeros((b, longest), dtype=torch.long)
-        for i, (feed, p) in enumerate(zip(feeds, past)):
+        for i, (feed, p, it) in enumerate(zip(feeds, past, items)):
             ids[i, : len(feed)] = torch.tensor(feed)
             positions[i] = torch.arange(p, p + longest)
+            if it.branch:  # the branch takes the positions of the drafts it replaces
+                at = len(feed) - len(it.branch)
+                fork = at - len(it.drafts) + it.branch_from
+                positions[i, at : len(feed)] = torch.arange(p + fork, p + fork + len(it.branch))
         mask = None
-        if b > 1:  # left-padded caches, right-padded feeds: hide the padding
+        if any(it.branch for it in items):
+            mask = self._tree_mask(items, feeds, past, width, longest).to(self.device)
+        elif b > 1:  # left-padded caches, right-padded feeds: hide the padding
             mask = torch.zeros((b, width + longest), dtype=torch.long)
             for i, (feed, p) in enumerate(zip(feeds, past)):
                 mask[i, width - p : width + len(feed)] = 1
@@ -175,11 +201,31 @@ class TargetEngine:
             kv = new[:, :, i, :, width - p : width + len(feed)]
             # A copy when batched, so that a session's cache does not hold the whole batch's memory.
             it.kv.kv, it.kv.tokens = (kv.clone() if b > 1 else kv), seq
+            it.kv.branch = (len(it.prefix) + it.branch_from, tuple(it.branch)) if it.branch else None
             if it.greedy:
                 results.append(greedy_ids[i, lo:hi])  # type: ignore[index]
             else:
                 results.append(out.logits[i, lo:hi].float().cpu().numpy())
         return results
+
+    def _tree_mask(self, items: Sequence[VerifyItem], feeds: list[list[int]], past: list[int], width: int,
+                   longest: int) -> torch.Tensor:
+        """The additive attention mask [batch, 1, queries, keys] of a pass with branches: every
+        query sees its row's cache and the new tokens up to itself, except that a branch's
+        tokens do not see the drafts from the one they replace on."""
+        dtype = self.model.dtype
+        visible = torch.zeros((len(items), longest, width + longest), dtype=torch.bool)
+        causal = torch.ones((longest, longest), dtype=torch.bool).tril()
+        for i, (it, feed, p) in enumerate(zip(items, feeds, past)):
+            visible[i, :, width - p : width] = True
+            visible[i, :, width:] = causal
+            visible[i, :, width + len(feed) :] = False
+            if it.branch:
+                at = len(feed) - len(it.branch)
+                fork = at - len(it.drafts) + it.branch_from
+                visible[i, at : len(feed), width + fork : width + at] = False
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[:, None]
 
     def _batch_cache(self, states: list[KVState], past: list[int], width: int) -> DynamicCache:
         """The sessions' caches, left-padded with zeros to `width` positions and stacked."""

@@ -57,16 +57,35 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     """The model's eager attention, each batch row over its keys from the first it may see.
 
     `attention_mask` is eager's additive mask [batch, 1, queries, keys]; a key no query of a
-    row may see is left padding."""
+    row may see is left padding. Queries that may not see some key between the row's first
+    and their last (a branch's tokens, which skip the drafts they replace) attend over just
+    the keys they see, gathered: the same keys, in the same places, as when fed in line."""
     eager = sys.modules[type(module).__module__].eager_attention_forward
     if attention_mask is None:
         return eager(module, query, key, value, None, **kwargs)[0], None
-    visible = (attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min).any(dim=1)
+    allowed = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min  # [batch, queries, keys]
+    visible = allowed.any(dim=1)
     firsts = visible.to(torch.int8).argmax(dim=1).tolist()  # argmax: the first visible key
-    if not any(firsts):
+    # A query's keys are one run from its row's first when it sees every key up to its last.
+    last = allowed.shape[2] - 1 - allowed.flip(2).to(torch.int8).argmax(dim=2)
+    holes = allowed.sum(dim=2) != last + 1 - torch.tensor(firsts)[:, None]
+    if not any(firsts) and not holes.any():
         return eager(module, query, key, value, attention_mask, **kwargs)[0], None
-    rows = [eager(module, query[b : b + 1], key[b : b + 1, :, first:], value[b : b + 1, :, first:],
-                  attention_mask[b : b + 1, :, :, first:], **kwargs)[0] for b, first in enumerate(firsts)]
+    rows = []
+    for b, first in enumerate(firsts):
+        def part(queries: torch.Tensor | slice, keys: torch.Tensor | slice) -> torch.Tensor:
+            return eager(module, query[b : b + 1, :, queries], key[b : b + 1, :, keys], value[b : b + 1, :, keys],
+                         attention_mask[b : b + 1, :, queries][..., keys], **kwargs)[0]
+
+        if not holes[b].any():
+            rows.append(part(slice(None), slice(first, None)))
+            continue
+        out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+        inline, aside = (~holes[b]).nonzero()[:, 0], holes[b].nonzero()[:, 0]
+        out[:, inline] = part(inline, slice(first, None))
+        # The keys any of them sees, in order; each sees a run of them from the first.
+        out[:, aside] = part(aside, allowed[b, aside].any(dim=0).nonzero()[:, 0])
+        rows.append(out)
     return torch.cat(rows), None
 
 

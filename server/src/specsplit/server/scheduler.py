@@ -83,11 +83,11 @@ class SessionHandle:
 
 @dataclass(frozen=True)
 class Share:
-    """A session's part of one pass: its task and the rows that verify it."""
+    """A session's part of one pass: its task and the row that verifies it."""
 
     handle: SessionHandle
     task: VerifyTask
-    items: tuple[VerifyItem, ...]
+    item: VerifyItem
 
 
 class VerificationWorker:
@@ -194,14 +194,14 @@ class VerificationWorker:
         cfg = self.config
         share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
         batch: list[Share] = []
-        longest = rows = 0
+        longest = 0
         for h in ready:
             share_ = self._share(h, h.session.next_task(min(h.budget, share)), h.session.tokens)
-            width = max(longest, *(item.feed_length for item in share_.items))
-            if batch and (rows + len(share_.items)) * width > cfg.max_batch_tokens:
+            width = max(longest, share_.item.feed_length)
+            if batch and (len(batch) + 1) * width > cfg.max_batch_tokens:
                 continue  # it leads the next round
             batch.append(share_)
-            longest, rows = width, rows + len(share_.items)
+            longest = width
             if len(batch) == cfg.max_batch_sessions:
                 break
         if cfg.adaptive and len(batch) > 1:
@@ -215,31 +215,30 @@ class VerificationWorker:
             self._order = deque([*(sid for sid in self._order if sid not in chosen), *taken])
         return batch, soonest
 
-    @staticmethod
-    def _share(h: SessionHandle, task: VerifyTask | None, tokens: list[int]) -> Share:
-        """The items a session's task puts into a pass: its own row, and a row forked from
-        its cache for the task's branch, if it has one."""
+    def _share(self, h: SessionHandle, task: VerifyTask | None, tokens: list[int]) -> Share:
+        """The row a session's task puts into a pass, with the task's branch if the engine
+        verifies branches."""
         assert task is not None
         s = h.session
+        if task.branch and not self.engine.verifies_branches:
+            task = dataclasses.replace(task, branch=())  # it may still become the candidates after the pass
         # A copy of the prefix: drafts may arrive while the model runs.
-        prefix, greedy = tokens[: task.start], s.mode is VerificationMode.GREEDY
-        items = [VerifyItem(h.kv, prefix, task.drafts, greedy=greedy)]
-        fork = h.kv.fork() if task.branch else None
-        if fork is not None:
-            items.append(VerifyItem(fork, prefix, task.fork_drafts, greedy=greedy))
-        return Share(h, task, tuple(items))
+        item = VerifyItem(h.kv, tokens[: task.start], task.drafts, greedy=s.mode is VerificationMode.GREEDY,
+                          branch_from=task.branch_at - task.start, branch=task.branch)
+        return Share(h, task, item)
 
     def _cut_to_width(self, batch: list[Share]) -> list[Share]:
         """Trim the sessions' drafts to the feed width that yields the most tokens per second
         for this batch (policy.choose_width): a few long feeds must not pad everyone."""
-        rows = [(sh.items[0].feed_length - len(sh.task.drafts), len(sh.task.drafts),
+        rows = [(sh.item.feed_length - len(sh.task.drafts) - len(sh.task.branch), len(sh.task.drafts),
                  acceptance_estimate(sh.handle.session.drafts_accepted, sh.handle.session.rejections)) for sh in batch]
-        count = sum(len(sh.items) for sh in batch)
-        width = choose_width(rows, lambda w: math.prod(self.engine.padded_shape(count, w)), self.pass_costs)
+        width = choose_width(rows, lambda w: math.prod(self.engine.padded_shape(len(batch), w)), self.pass_costs)
         cut = []
         for sh, (floor, drafts, _) in zip(batch, rows):
-            if drafts > width - floor or any(item.feed_length > width for item in sh.items):
-                sh = self._share(sh.handle, sh.handle.session.next_task(width - floor), list(sh.items[0].prefix))
+            if sh.item.feed_length > width:
+                sh = self._share(sh.handle, sh.handle.session.next_task(width - floor), list(sh.item.prefix))
+            if sh.item.feed_length > width:  # the drafts fit, the branch beside them does not
+                sh = self._share(sh.handle, dataclasses.replace(sh.task, branch=()), list(sh.item.prefix))
             cut.append(sh)
         return cut
 
@@ -255,7 +254,7 @@ class VerificationWorker:
                     pass
                 continue
             self._in_flight = {sh.handle.session.session_id for sh in batch}
-            items = [item for sh in batch for item in sh.items]
+            items = [sh.item for sh in batch]
             padded_tokens = math.prod(self.engine.padded_shape(len(items), max(i.feed_length for i in items)))
             try:
                 t0 = time.monotonic()
@@ -266,18 +265,18 @@ class VerificationWorker:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
                           [i.feed_length for i in items], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
-            if len(items) == len(batch) and all(sh.items[0].feed_length == len(sh.task.drafts) + 1 for sh in batch):
+            if all(sh.item.feed_length == len(sh.task.drafts) + 1 for sh in batch):
                 # Timed by drafts, so only passes that fed nothing else: one prefill (or a
-                # branch's row) would otherwise make verifying a draft or two look as dear as a prompt.
+                # branch) would otherwise make verifying a draft or two look as dear as a prompt.
                 self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
             self.pass_costs.observe(padded_tokens, elapsed)
             self.metrics.verify_seconds.observe(elapsed)
             self.metrics.batch_sessions.observe(len(batch))
             self.metrics.batch_tokens.observe(padded_tokens)
-            for sh in batch:
+            for sh, result in zip(batch, results):
                 self.metrics.verify_drafts.observe(len(sh.task.drafts))
                 sh.handle.busy_s += elapsed / len(batch)
-                self._deliver(sh, [results.pop(0) for _ in sh.items], elapsed)
+                self._deliver(sh, result, elapsed)
             self._update_gauges()  # once per pass: it walks every session
 
     async def _verify(self, items: list[VerifyItem]) -> list:  # type: ignore[type-arg]
@@ -298,29 +297,24 @@ class VerificationWorker:
                 results.append(exc)
         return results
 
-    def _deliver(self, share: Share, results: list, elapsed: float) -> None:  # type: ignore[type-arg]
+    def _deliver(self, share: Share, result, elapsed: float) -> None:  # type: ignore[no-untyped-def]
         handle, task = share.handle, share.task
         s = handle.session
         if s.session_id not in self.sessions:
-            for item in share.items:
-                item.kv.crop(0)  # the edge went away during the pass
+            handle.kv.crop(0)  # the edge went away during the pass
             return
-        failed = next((r for r in results if isinstance(r, Exception)), None)
-        if failed is not None:  # a failing model must not take the other sessions down
-            log.error("session %s: verification failed", s.session_id, exc_info=failed,
+        if isinstance(result, Exception):  # a failing model must not take the other sessions down
+            log.error("session %s: verification failed", s.session_id, exc_info=result,
                       extra={"session": s.session_id})
-            handle.outbox.put_nowait(failed)
+            handle.outbox.put_nowait(result)
             self.remove(s.session_id)
             return
         verified = s.branches_verified
-        events = s.apply(task, *results)
-        self.metrics.branches_verified.inc(s.branches_verified - verified)
-        if len(share.items) > 1:
-            # Keep whichever row's cache goes further along what is now committed.
-            committed = s.tokens[: s.committed_len]
-            fork = share.items[1].kv
-            if fork.reusable(committed) > handle.kv.reusable(committed):
-                handle.kv = fork
+        rows = len(task.drafts) + 1
+        events = s.apply(task, result[:rows], result[rows:] if task.branch else None)
+        if s.branches_verified > verified:
+            handle.kv.take_branch()  # the cache follows the committed line onto the branch
+            self.metrics.branches_verified.inc()
         for event in events:
             if isinstance(event, Verdict):
                 event = dataclasses.replace(event, verify_ms=elapsed * 1000)

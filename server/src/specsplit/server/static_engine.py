@@ -104,10 +104,6 @@ class SlotState(KVState):
             self.engine.free.append(self.slot)
             self.slot = None
 
-    def fork(self) -> None:
-        """Slots hold one line each: a branch is not verified beside its session here."""
-        return None
-
     def nbytes(self) -> int:
         return 0 if self.slot is None else self.engine.cache.bytes_per_slot
 
@@ -154,6 +150,8 @@ class StaticEngine:
 
     def new_state(self) -> SlotState:
         return SlotState(self)
+
+    verifies_branches = False  # a slot's positions are its tokens': no room for a branch beside them
 
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         # Longer feeds (prefills) go through in pieces of the widest bucket.

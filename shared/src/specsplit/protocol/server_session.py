@@ -7,10 +7,10 @@ drafted on a trajectory the server has since contradicted drop out by themselves
 
 A branch chunk is an alternative the edge drafted for one of the candidates: the
 edge's runner-up there and the drafts that follow it. It waits beside the trajectory.
-A verification whose drafts reach a branch's position also feeds the branch, as a second
-row of the same pass, forked from the session's cache; if the target rejects the
-candidate there in favour of the branch's first token, the branch's further tokens are
-checked against that row at once. Either way, once a verdict commits the branch's first
+A verification whose drafts reach a branch's position also feeds the branch, after the
+drafts in the same row, each branch token seeing what it would see fed in place of the
+drafts from there; if the target rejects the candidate there in favour of the branch's
+first token, the branch's further tokens are checked against their rows at once. Either way, once a verdict commits the branch's first
 token at its position, the rest of the branch becomes the candidates, so the next
 verification need not wait a round trip for the edge to draft on from the correction.
 """
@@ -46,17 +46,13 @@ class VerifyTask:
     """Verify `drafts` at positions start.. ; with no drafts, an autoregressive step.
 
     With a `branch` (the edge's alternative from position `branch_at`, inside the drafts),
-    the pass also verifies `fork_drafts`: the drafts before the branch, then the branch."""
+    the pass also scores the branch's tokens as if fed in place of the drafts from there."""
 
     start: int
     drafts: tuple[int, ...]
     dists: tuple[SparseDist, ...] = ()
     branch_at: int = 0
     branch: tuple[int, ...] = ()
-
-    @property
-    def fork_drafts(self) -> tuple[int, ...]:
-        return (*self.drafts[: self.branch_at - self.start], *self.branch) if self.branch else ()
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -282,19 +278,19 @@ class ServerSession:
 
     def next_task(self, max_drafts: int) -> VerifyTask | None:
         """The next verification: up to max_drafts candidates, or an AR step if none; with
-        the earliest branch that stands beside one of them, cut to the same length."""
+        the earliest branch that stands beside one of them."""
         if self.done is not None:
             return None
         remaining_new = self.max_new - (self.committed_len - self.prompt_len)
         room = self.limits.max_context - self.committed_len
-        limit = max(0, min(max_drafts, remaining_new - 1, room - 1))
-        n = min(limit, len(self._seq) - self.committed_len)
+        n = max(0, min(max_drafts, len(self._seq) - self.committed_len, remaining_new - 1, room - 1))
         start = self.committed_len
         dists = tuple(self._dists[:n]) if self.mode is VerificationMode.SPARSE_Q else ()
         drafts = tuple(self._seq.tokens[start : start + n])
         for (position, _), (parent, tokens) in sorted(self._branches.items()):
             if start <= position < start + n and parent == self._seq.hash_before(position):
-                return VerifyTask(start, drafts, dists, position, tokens[: limit - (position - start)])  # type: ignore[arg-type]
+                # No longer than the drafts it would replace: the pass feeds both.
+                return VerifyTask(start, drafts, dists, position, tokens[: start + n - position])  # type: ignore[arg-type]
         return VerifyTask(start, drafts, dists)  # type: ignore[arg-type]
 
     def _termination(self, new: Sequence[int], already_committed: bool = False) -> tuple[int, DoneReason | None]:
@@ -312,9 +308,9 @@ class ServerSession:
                 return i + 1, DoneReason.CONTEXT
         return len(new), None
 
-    def apply(self, task: VerifyTask, logits: np.ndarray, fork_logits: np.ndarray | None = None) -> list[Verdict | Done]:
-        """Commit the outcome of verifying `task` with the target's logits for it (and, for
-        a task with a branch, those for its fork_drafts)."""
+    def apply(self, task: VerifyTask, logits: np.ndarray, branch_logits: np.ndarray | None = None) -> list[Verdict | Done]:
+        """Commit the outcome of verifying `task` with the target's logits for it and, for a
+        task with a branch, its rows after each of the branch's tokens."""
         if self.done is not None:
             return []
         if task.start != self.committed_len:
@@ -325,10 +321,10 @@ class ServerSession:
         drafted = [True] * outcome.accepted + [False]  # which new tokens are accepted drafts
         offered = len(task.drafts)
         fork = task.branch_at - task.start
-        if task.branch and fork_logits is not None and outcome.accepted == fork and outcome.token == task.branch[0]:
-            # The target chose the branch's first token: the fork's rows after it are the
-            # target's view of the positions that follow, as a later pass would compute them.
-            more = verify(fork_logits[fork + 1 :], task.branch[1:], task.branch_at + 1, sampling, self.mode)
+        if task.branch and branch_logits is not None and outcome.accepted == fork and outcome.token == task.branch[0]:
+            # The target chose the branch's first token: the rows after the branch's tokens are
+            # the target's view of the positions that follow, as a later pass would compute them.
+            more = verify(branch_logits, task.branch[1:], task.branch_at + 1, sampling, self.mode)
             new += [*task.branch[1 : 1 + more.accepted], more.token]
             drafted += [True] * more.accepted + [False]
             offered += len(task.branch) - 1
