@@ -29,18 +29,18 @@ def edge_with_drafts(drafts: list[int]) -> EdgeSession:
 
 def test_a_branch_is_verified_in_the_same_pass_as_the_draft_it_stands_beside() -> None:
     right = greedy_path(list(PROMPT), 6)  # what the target will commit
-    e = edge_with_drafts([right[0], wrong(right[1]), 7])
+    e = edge_with_drafts([right[0], wrong(right[1]), 7, 7, 7])
     s = open_session()
     s.receive_draft(e.next_chunk())
     # The edge foresaw the rejection at position 4 and drafted on from the target's choice there.
     s.receive_draft(e.branch_chunk(4, [*right[1:4], wrong(right[4])]))
     task = s.next_task(6)
-    assert task.drafts == (right[0], wrong(right[1]), 7) and task.branch_at == 4
+    assert task.drafts == (right[0], wrong(right[1]), 7, 7, 7) and task.branch_at == 4
     assert task.branch == (*right[1:4], wrong(right[4]))
     (verdict,) = s.apply(task, *task_logits(s, task))
     # The draft at 4 is rejected for the branch's first token, the branch holds for two more
     # and the row after them gives the correction: five tokens from one pass.
-    assert verdict.tokens == tuple(right[:5]) and verdict.accepted == 3 and verdict.proposed == 6
+    assert verdict.tokens == tuple(right[:5]) and verdict.accepted == 3 and verdict.proposed == 8
     assert s.branches_verified == s.branches_taken == 1 and s.candidates == [] and verdict.branch_tokens == 0
     assert e.apply_verdict(verdict) == 4
     assert e.tokens == [*PROMPT, *right[:5]] and e.branches_taken == 1 and e.branch is None

@@ -126,6 +126,32 @@ def test_left_padding_does_not_change_a_row() -> None:
     assert not all(_alone_and_left_padded(eager_attention_forward))
 
 
+def _alone_and_with_a_hole(attention) -> list[bool]:  # type: ignore[no-untyped-def]
+    layer = _model().model.layers[0].self_attn
+    same = []
+    for q, k, v, hole in _padded_cases():
+        alone = attention(layer, q, k, v, None, scaling=128**-0.5)[0]
+        # A branch's token: the keys of the drafts it replaces lie among its own, masked.
+        split = k.shape[2] // 2
+        junk = torch.randn(1, 2, hole, 128, dtype=torch.bfloat16)
+        keys, values = (torch.cat([t[:, :, :split], junk, t[:, :, split:]], 2) for t in (k, v))
+        mask = torch.zeros(1, 1, 1, keys.shape[2], dtype=torch.bfloat16)
+        mask[..., split : split + hole] = torch.finfo(torch.bfloat16).min
+        same.append(torch.equal(attention(layer, q, keys, values, mask, scaling=128**-0.5)[0], alone))
+    return same
+
+
+@torch.inference_mode()
+def test_keys_a_query_skips_do_not_change_it() -> None:
+    """Masked keys among a query's own shift the rest to other lanes, as left padding does
+    (the control finds some case that differs); row_invariant_attention gathers the keys
+    the query sees."""
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    assert all(_alone_and_with_a_hole(row_invariant_attention))
+    assert not all(_alone_and_with_a_hole(eager_attention_forward))
+
+
 def test_loading_bf16_on_cpu_makes_rows_invariant(tiny) -> None:
     """The server loads through load_model: bf16 on CPU must come out row-invariant, fp32 untouched."""
     bf16 = load_model(str(tiny.target_dir), dtype="bf16").model
