@@ -47,7 +47,7 @@ bench: $(STAMP)
 # A subset under 10 minutes: RTT 50 ms, 3 prompts, 96 new tokens, sync at k=4 and 6 (the best
 # two k over all 12 prompts at RTT 50 ms: bench/results/rtt50.md).
 bench-quick: $(STAMP)
-	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 4 6 --no-hf
+	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 4 6 --no-hf --async-no-branches
 
 # All 12 prompts at the goal's RTT (50 ms) only, every sync k, no HF: about 40 minutes.
 bench-rtt50: $(STAMP)

@@ -71,6 +71,43 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
     assert worst < 1e-3, worst
 
 
+def test_branches_in_a_batch_get_the_rows_of_their_tokens_fed_in_line(tiny) -> None:
+    """Sessions of a batch (different lengths) with a branch beside one of their drafts: each
+    gets, for its drafts and for its branch, the rows those tokens get fed in line on a fresh
+    cache; a cache that then takes up its branch goes on as if fed the branch all along."""
+    engine = TargetEngine(load_model(str(tiny.target_dir)))
+    rng = np.random.default_rng(3)
+
+    def ids(n: int) -> list[int]:
+        return list(map(int, rng.integers(0, engine.vocab_size, n)))
+
+    def in_line(prefix: list[int], tokens: list[int]) -> np.ndarray:
+        return engine.verify_batch([VerifyItem(KVState(), prefix, tokens)])[0]
+
+    worst = 0.0
+    for _ in range(4):
+        b = int(rng.integers(1, 5))
+        prefixes, states = [ids(int(rng.integers(1, 60))) for _ in range(b)], [KVState() for _ in range(b)]
+        for _ in range(3):
+            drafts = [ids(int(rng.integers(1, 7))) for _ in range(b)]
+            forks = [int(rng.integers(0, len(d))) for d in drafts]
+            branches = [ids(int(rng.integers(1, len(d) - f + 1))) for d, f in zip(drafts, forks)]
+            got = engine.verify_batch([VerifyItem(states[i], prefixes[i], drafts[i], branch_from=forks[i],
+                                                  branch=branches[i]) for i in range(b)])
+            for i in range(b):
+                rows = len(drafts[i]) + 1
+                line = in_line(prefixes[i], drafts[i][: forks[i]] + branches[i])[forks[i] + 1 :]
+                for g, w in ((got[i][:rows], in_line(prefixes[i], drafts[i])), (got[i][rows:], line)):
+                    assert g.shape == w.shape
+                    worst = max(worst, float(np.abs(g - w).max()))
+                if rng.integers(0, 2):
+                    states[i].take_branch()
+                    prefixes[i] = prefixes[i] + drafts[i][: forks[i]] + branches[i] + ids(1)
+                else:
+                    prefixes[i] = prefixes[i] + drafts[i][: int(rng.integers(0, len(drafts[i]) + 1))] + ids(1)
+    assert worst < 1e-3, worst  # bitwise in bf16 on CPU; fp32 rounds by the pass's shape
+
+
 def test_auto_dtype_is_bf16_only_where_it_is_fast() -> None:
     """bf16 on a CPU without native bf16 would make multi-token passes dearer, not cheaper;
     where the CPU has it, tests/test_row_invariant.py shows it stays exact."""

@@ -7,7 +7,7 @@ correction. With p_j the drafter's probability of its own draft j (counted from 
 committed point) and r_i that of its runner-up at i, that happens about p_0 ... p_{i-1} r_i
 of the time: every draft before i accepted, then the runner-up right. The edge branches
 where that chance is largest, if it is large enough to pay for the branch: a branch costs
-the edge a third more per drafting step and the server a second row in its passes.
+the edge about a third more per drafting step and the server its tokens in each pass.
 """
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Below this a branch costs more than it brings: on the default pair at RTT 50 ms, 0.3 gave
-# async about 5% more tokens/s than no branches, 0.1 less than none (docs/benchmarks.md).
-MIN_CHANCE = 0.3
+# Below this a branch costs more than it brings. On the default pair at RTT 50 ms, async with
+# branches against async without, 12 prompts twice each: 1.04x at 0.3, 1.12x at 0.15, 1.09x
+# at 0.05 (docs/benchmarks.md).
+MIN_CHANCE = 0.15
 
 
 @dataclass(frozen=True)

@@ -178,8 +178,7 @@ class TargetEngine:
             ids[i, : len(feed)] = torch.tensor(feed)
             positions[i] = torch.arange(p, p + longest)
             if it.branch:  # the branch takes the positions of the drafts it replaces
-                at = len(feed) - len(it.branch)
-                fork = at - len(it.drafts) + it.branch_from
+                fork, at = _branch_span(it, feed)
                 positions[i, at : len(feed)] = torch.arange(p + fork, p + fork + len(it.branch))
         mask = None
         if any(it.branch for it in items):
@@ -221,8 +220,7 @@ class TargetEngine:
             visible[i, :, width:] = causal
             visible[i, :, width + len(feed) :] = False
             if it.branch:
-                at = len(feed) - len(it.branch)
-                fork = at - len(it.drafts) + it.branch_from
+                fork, at = _branch_span(it, feed)
                 visible[i, at : len(feed), width + fork : width + at] = False
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[:, None]
@@ -242,6 +240,12 @@ class TargetEngine:
                 if p:
                     batch[:, :, i, :, width - p :] = s.kv
         return cache_from_tensors([(batch[layer, 0], batch[layer, 1]) for layer in range(layers)])
+
+
+def _branch_span(item: VerifyItem, feed: Sequence[int]) -> tuple[int, int]:
+    """Where, in the item's feed, the draft its branch replaces sits, and where the branch starts."""
+    at = len(feed) - len(item.branch)
+    return at - len(item.drafts) + item.branch_from, at
 
 
 def warm_up(engine: Engine, prompt_tokens: int = 32, drafts: int = 4) -> None:

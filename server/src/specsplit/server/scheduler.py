@@ -12,7 +12,8 @@ drafts a verification takes, and whether an asynchronous session should first wa
 drafts on their way, is the policy's call (`policy.py`); when many sessions are ready,
 each gets at most its fair share of the token budget, and since every feed is padded to
 the batch's longest, the feeds are cut to the width that commits the most tokens per
-second of measured pass time (`policy.choose_width`).
+second of measured pass time (`policy.choose_width`). A task with an edge's branch feeds
+it in the same row, after the drafts (engines that can: `Engine.verifies_branches`).
 """
 from __future__ import annotations
 
