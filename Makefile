@@ -49,7 +49,8 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 4 6 --no-hf --async-no-branches
 
-# All 12 prompts at the goal's RTT (50 ms) only, every sync k, no HF: about 40 minutes.
+# All 12 prompts at the goal's RTT (50 ms) only, every sync k, async with and without
+# branches side by side, no HF: 15 to 40 minutes.
 bench-rtt50: $(STAMP)
 	$(PY) bench/run_bench.py --name rtt50 --rtt-ms 50 --max-new-tokens 64 --sync-k 2 4 6 8 --no-hf --async-no-branches $(BENCH_ARGS)
 
