@@ -131,9 +131,7 @@ class EdgeSession:
         new = verdict.tokens
         switched = self._follow_branch(new)
         spec = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
-        agree = 0
-        while agree < len(spec) and spec[agree] == new[agree]:
-            agree += 1
+        agree = self._seq.agreement(self.committed_len, new)
         resync = switched
         if agree < len(new):
             resync = min(self.committed_len + agree, switched if switched is not None else len(self._seq))
@@ -165,15 +163,12 @@ class EdgeSession:
         """If the verdict's tokens leave this edge's drafts where it sent a branch, taking
         the branch's first token there, make the branch its drafts from that position on, as
         the server does; returns the position, or None."""
-        position = self.committed_len
-        for held, token in zip(self._seq.tokens[position:], new):
-            if held != token:
-                break
-            position += 1
-        else:
+        agree = self._seq.agreement(self.committed_len, new)
+        position = self.committed_len + agree
+        if agree == len(new) or position == len(self._seq):
             return None
         branch = self._branches.pop(position, None)
-        if branch is None or branch[0] != new[position - self.committed_len]:
+        if branch is None or branch[0] != new[agree]:
             return None
         self.wasted += len(self._seq) - position
         del self._dists[position - self.committed_len :]

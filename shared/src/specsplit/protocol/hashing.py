@@ -6,7 +6,7 @@ is the one it holds without epochs or acknowledgements.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 MASK64 = (1 << 64) - 1
 ROOT_HASH = 0x243F6A8885A308D3  # hash "before" position 0
@@ -41,6 +41,15 @@ class HashedSequence:
     def extend(self, tokens: Iterable[int]) -> None:
         for t in tokens:
             self.append(t)
+
+    def agreement(self, start: int, tokens: Sequence[int]) -> int:
+        """How many of `tokens` equal this sequence's, position by position from `start`."""
+        n = 0
+        for held, token in zip(self.tokens[start:], tokens):
+            if held != token:
+                break
+            n += 1
+        return n
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]

@@ -258,14 +258,11 @@ class ServerSession:
         """If the tokens about to be committed leave the candidates where a branch stands
         and take the branch's first token there, make the branch the candidates from that
         position on (the edge, which sent it, does the same); returns whether it did."""
-        position = self.committed_len
-        for held, token in zip(self._seq.tokens[position:], new):
-            if held != token:
-                break
-            position += 1
-        else:
+        agree = self._seq.agreement(self.committed_len, new)
+        position = self.committed_len + agree
+        if agree == len(new) or position == len(self._seq):
             return False
-        branch = self._branches.pop((position, new[position - self.committed_len]), None)
+        branch = self._branches.pop((position, new[agree]), None)
         if branch is None or branch[0] != self._seq.hash_before(position):
             return False
         self._truncate(position)
@@ -336,10 +333,7 @@ class ServerSession:
         considered = offered if reason is None else min(offered, cut)
         switched = self._follow_branch(new)
         # Keep candidates beyond the new tokens only if they continue the committed trajectory.
-        held = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
-        agree = 0
-        while agree < len(held) and held[agree] == new[agree]:
-            agree += 1
+        agree = self._seq.agreement(self.committed_len, new)
         if agree < len(new):
             self._truncate(self.committed_len + agree)
             self._seq.extend(new[agree:])
