@@ -200,3 +200,27 @@ def test_drafter_keeps_the_main_line_cache_while_drafting_a_branch(tiny) -> None
     fresh = OnnxDrafter(tiny.draft_dir)
     np.testing.assert_allclose(got_main, fresh.next_logits([*main, 11]), atol=1e-4)
     np.testing.assert_allclose(got_branch, fresh.next_logits(branch), atol=1e-4)
+
+
+def test_drafter_grows_line_and_branch_in_one_batched_run(tiny) -> None:
+    """next_logits_pair: one run of two rows, each fed only its new token over its own cache
+    (the shorter one padded and masked), giving each line what it gets alone. (The tiny
+    export is fp32, so to rounding; an int8 export's activations are quantized over both
+    rows, which moves the logits a little but not the drafts' argmax, on the default draft.)"""
+    from specsplit.edge.drafter import OnnxDrafter
+
+    drafter = OnnxDrafter(tiny.draft_dir)
+    main, branch = [5, 6, 7, 8, 9, 10], [5, 6, 7, 20]
+    drafter.next_logits(main)
+    drafter.next_logits(branch)
+    fed: list[tuple[int, ...]] = []
+    run = drafter._session.run
+    drafter._session.run = lambda names, feed: (fed.append(feed["input_ids"].shape), run(names, feed))[1]
+    for step in range(3):
+        main, branch = [*main, 30 + step], [*branch, 40 + step]
+        got_main, got_branch = drafter.next_logits_pair(main, branch)
+    assert fed == [(2, 1)] * 3
+    fresh = OnnxDrafter(tiny.draft_dir)
+    for got, line in ((got_main, main), (got_branch, branch)):
+        want = fresh.next_logits(line)
+        assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()

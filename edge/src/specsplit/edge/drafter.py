@@ -78,22 +78,22 @@ class OnnxDrafter:
             del self._caches[: -self.CACHES]
         return best, common
 
-    def _reuse(self, trajectory: Sequence[int]) -> tuple[_Cache, int]:
-        """The cache to extend for `trajectory`, cut back to the prefix it keeps, and that length."""
-        cache, common = self._cache_for(trajectory)
+    @staticmethod
+    def _cut_back(cache: _Cache, common: int, trajectory: Sequence[int]) -> int:
+        """Cut `cache` back to the prefix a run for `trajectory` keeps; returns its length."""
         keep = min(common, len(trajectory) - 1)
         if keep < len(cache.tokens):
             cache.past = [t[:, :, :keep] for t in cache.past]
             del cache.tokens[keep:]
             cache.last_logits = None
-        return cache, keep
+        return keep
 
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
         """Logits for the token after `trajectory`, reusing the cached common prefix."""
         cache, common = self._cache_for(trajectory)
         if common == len(trajectory) == len(cache.tokens) and cache.last_logits is not None:
             return cache.last_logits
-        cache, keep = self._reuse(trajectory)
+        keep = self._cut_back(cache, common, trajectory)
         feed_ids = list(trajectory[keep:])
         total = keep + len(feed_ids)
         feed = {
@@ -113,8 +113,10 @@ class OnnxDrafter:
         each needs one new token over a cache of its own, both go through one run as a batch
         of two rows, which costs about 1.3 one-row runs here, since the weights are read once;
         the shorter cache is padded, and the mask hides the padding."""
-        a, keep_a = self._reuse(first)
-        b, keep_b = self._reuse(second)
+        a, common = self._cache_for(first)
+        keep_a = self._cut_back(a, common, first)
+        b, common = self._cache_for(second)
+        keep_b = self._cut_back(b, common, second)
         if a is b or keep_a != len(first) - 1 or keep_b != len(second) - 1:
             return self.next_logits(first), self.next_logits(second)
         width = max(keep_a, keep_b)
