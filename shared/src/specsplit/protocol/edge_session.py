@@ -134,7 +134,7 @@ class EdgeSession:
         agree = self._seq.agreement(self.committed_len, new)
         resync = switched
         if agree < len(new):
-            resync = min(self.committed_len + agree, switched if switched is not None else len(self._seq))
+            resync = self.committed_len + agree if switched is None else switched  # a switch comes first
             self.wasted += len(self._seq) - (self.committed_len + agree)
             self._seq.truncate(self.committed_len + agree)
             del self._dists[agree:]
