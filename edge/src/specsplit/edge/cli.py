@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
     g.add_argument("--branch-tokens", type=int, default=EdgeConfig.branch_tokens,
                    help="async, greedy: beside its drafts, draft a branch of up to this many tokens from the "
-                   f"drafter's runner-up where a rejection is likeliest (if that chance is at least {MIN_CHANCE}), in the "
+                   f"drafter's runner-up where a rejection is likeliest (if that chance is at least {MIN_CHANCE}), "
+                   "in the "
                    "same batched steps as the drafts; the server verifies it in the pass that verifies the draft "
                    "beside it (default %(default)s; 0: no branches)")
     g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")

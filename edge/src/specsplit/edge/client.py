@@ -214,6 +214,8 @@ class _Generation:
             if isinstance(event, Verdict):
                 edge.apply_verdict(event)
                 self._verdicts += 1
+                if self._choices:  # the drafter's views of committed positions serve no branch
+                    self._choices = {k: c for k, c in self._choices.items() if k[0] >= edge.committed_len}
                 self.stats.add_verdict(event, now)
                 if self.cfg.mode == "async":
                     edge.window = self._lookahead()
@@ -252,6 +254,8 @@ class _Generation:
                     await self._wait_change()
                     continue
                 awaiting = None
+            if branching and edge.branch is None:
+                self._open_branch()
             branch_due = branching and self._branch_due()
             if branch_due and (edge.room() <= 0 or not hasattr(drafter, "next_logits_pair")):
                 await self._extend_branch()
@@ -309,23 +313,26 @@ class _Generation:
         index = choose_branch(choices)
         return None if index is None else start + index
 
-    def _branch_due(self) -> bool:
-        """Whether the next drafting step should grow the branch rather than the main line.
-        One branch at a time, started at the branch point with the runner-up (which costs no
-        step), grown while it is shorter than the main line past its start (so both lines
-        move at half speed from there), or whenever the window leaves the main line no room."""
+    def _open_branch(self) -> None:
+        """Start a branch at the branch point, if there is one, with the runner-up there
+        (which costs no drafting step), and send it. One branch at a time."""
         edge = self.edge
         assert edge is not None
-        branch = edge.branch
-        if branch is None:
-            start = self._branch_point()
-            if start is None:
-                return False
-            tokens = (self._choices[start, edge.tokens[start]].runner_up,)
+        start = self._branch_point()
+        if start is not None:
+            runner_up = self._choices[start, edge.tokens[start]].runner_up
             self._mark("send-branch", self._now(), start, 1)
-            self._send(codec.draft_to_pb(edge.branch_chunk(start, tokens)))
-            branch = start, tokens
-        start, tokens = branch
+            self._send(codec.draft_to_pb(edge.branch_chunk(start, (runner_up,))))
+
+    def _branch_due(self) -> bool:
+        """Whether the next drafting step should grow the branch: while it is shorter than
+        the main line past its start (then both grow in one batched step), or whenever the
+        window leaves the main line no room."""
+        edge = self.edge
+        assert edge is not None
+        if edge.branch is None:
+            return False
+        start, tokens = edge.branch
         # A branch may not reach past the server's lookahead limit either.
         length = min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
         return len(tokens) < length and (len(tokens) < len(edge.tokens) - start or edge.room() <= 0)

@@ -135,7 +135,9 @@ class OnnxDrafter:
         }
         logits, *present = self._session.run(None, feed)
         for row, (cache, keep, trajectory) in enumerate(((a, keep_a, first), (b, keep_b, second))):
-            cache.past = [np.concatenate([p[row : row + 1, :, :keep], p[row : row + 1, :, width:]], axis=2) for p in present]
+            # This row's keys without the padding: its own, then the new token's.
+            cache.past = [np.concatenate([p[row : row + 1, :, :keep], p[row : row + 1, :, width:]], axis=2)
+                          for p in present]
             cache.tokens = list(trajectory)
             cache.last_logits = logits[row, -1].astype(np.float64)
         return a.last_logits, b.last_logits  # type: ignore[return-value]

@@ -115,7 +115,8 @@ class Verdict:
     chunks_received: int = 0
     drafts_dropped: int = 0
     verify_ms: float = 0.0  # filled in by the transport, which owns the clock
-    branch_tokens: int = 0  # the verdict moved the candidates onto the edge's branch: this many of them past the committed tokens
+    # The verdict moved the candidates onto the edge's branch: this many of them past the committed tokens.
+    branch_tokens: int = 0
 
 
 @dataclass(frozen=True)

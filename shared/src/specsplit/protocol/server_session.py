@@ -10,9 +10,10 @@ edge's runner-up there and the drafts that follow it. It waits beside the trajec
 A verification whose drafts reach a branch's position also feeds the branch, after the
 drafts in the same row, each branch token seeing what it would see fed in place of the
 drafts from there; if the target rejects the candidate there in favour of the branch's
-first token, the branch's further tokens are checked against their rows at once. Either way, once a verdict commits the branch's first
-token at its position, the rest of the branch becomes the candidates, so the next
-verification need not wait a round trip for the edge to draft on from the correction.
+first token, the branch's further tokens are checked against their rows at once. Either
+way, once a verdict commits the branch's first token at its position, the rest of the
+branch becomes the candidates, so the next verification need not wait a round trip for
+the edge to draft on from the correction.
 """
 from __future__ import annotations
 
@@ -83,7 +84,6 @@ class ServerSession:
         self.rejections = 0  # verifications that stopped at a rejected draft
         # (position, first token) -> (parent hash, tokens): alternatives waiting for a correction
         self._branches: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
-        self.branches_received = 0
         self.branches_taken = 0  # verdicts that moved the candidates onto a branch
         self.branches_verified = 0  # of those, the ones whose branch the same pass verified
         if request.committed_ids:
@@ -238,7 +238,6 @@ class ServerSession:
 
     def _keep_branch(self, chunk: DraftChunk) -> None:
         """Set a branch aside if it is an alternative to a candidate of this trajectory."""
-        self.branches_received += 1
         start = chunk.start
         if (
             start < self.committed_len
@@ -287,7 +286,8 @@ class ServerSession:
         for (position, _), (parent, tokens) in sorted(self._branches.items()):
             if start <= position < start + n and parent == self._seq.hash_before(position):
                 # No longer than the drafts it would replace: the pass feeds both.
-                return VerifyTask(start, drafts, dists, position, tokens[: start + n - position])  # type: ignore[arg-type]
+                branch = tokens[: start + n - position]
+                return VerifyTask(start, drafts, dists, position, branch)  # type: ignore[arg-type]
         return VerifyTask(start, drafts, dists)  # type: ignore[arg-type]
 
     def _termination(self, new: Sequence[int], already_committed: bool = False) -> tuple[int, DoneReason | None]:
@@ -305,7 +305,8 @@ class ServerSession:
                 return i + 1, DoneReason.CONTEXT
         return len(new), None
 
-    def apply(self, task: VerifyTask, logits: np.ndarray, branch_logits: np.ndarray | None = None) -> list[Verdict | Done]:
+    def apply(self, task: VerifyTask, logits: np.ndarray,
+              branch_logits: np.ndarray | None = None) -> list[Verdict | Done]:
         """Commit the outcome of verifying `task` with the target's logits for it and, for a
         task with a branch, its rows after each of the branch's tokens."""
         if self.done is not None:
