@@ -206,21 +206,49 @@ def test_drafter_grows_line_and_branch_in_one_batched_run(tiny) -> None:
     """next_logits_pair: one run of two rows, each fed only its new token over its own cache
     (the shorter one padded and masked), giving each line what it gets alone. (The tiny
     export is fp32, so to rounding; an int8 export's activations are quantized over both
-    rows, which moves the logits a little but not the drafts' argmax, on the default draft.)"""
+    rows, which moves the logits a little but not the drafts' argmax, on the default draft.)
+    Consecutive batched steps feed the last step's arrays as they are; the padding they keep
+    stays masked through single steps and rollbacks of either line."""
     from specsplit.edge.drafter import OnnxDrafter
 
     drafter = OnnxDrafter(tiny.draft_dir)
+    fresh = OnnxDrafter(tiny.draft_dir)
+
+    def close(got: np.ndarray, line: list[int]) -> bool:
+        want = fresh.next_logits(line)
+        return bool(np.abs(got - want).max() < 1e-3 * np.abs(want).max())
+
     main, branch = [5, 6, 7, 8, 9, 10], [5, 6, 7, 20]
     drafter.next_logits(main)
     drafter.next_logits(branch)
-    fed: list[tuple[int, ...]] = []
+    fed: list[dict] = []
+    outputs: list[list[np.ndarray]] = []
     run = drafter._session.run
-    drafter._session.run = lambda names, feed: (fed.append(feed["input_ids"].shape), run(names, feed))[1]
+
+    def recording_run(names, feed):
+        fed.append(feed)
+        outputs.append(run(names, feed))
+        return outputs[-1]
+
+    drafter._session.run = recording_run
     for step in range(3):
         main, branch = [*main, 30 + step], [*branch, 40 + step]
         got_main, got_branch = drafter.next_logits_pair(main, branch)
-    assert fed == [(2, 1)] * 3
-    fresh = OnnxDrafter(tiny.draft_dir)
-    for got, line in ((got_main, main), (got_branch, branch)):
-        want = fresh.next_logits(line)
-        assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+        assert close(got_main, main) and close(got_branch, branch)
+    assert [f["input_ids"].shape for f in fed] == [(2, 1)] * 3
+    past = "past_key_values.0.key"
+    assert all(fed[i][past] is outputs[i - 1][1] for i in (1, 2))  # no copy between batched steps
+    main, branch = [*main, 33], [*branch, 43]
+    got_branch, got_main = drafter.next_logits_pair(branch, main)  # either order keeps the rows
+    assert fed[-1][past] is outputs[-2][1]
+    assert close(got_main, main) and close(got_branch, branch)
+    # The branch (row 1) was padded to the line's width: a single step, a rollback into the
+    # padding's left and a new batched step must still see only the branch's own keys.
+    branch = [*branch, 50]
+    assert close(drafter.next_logits(branch), branch)
+    branch = [*branch[:5], 60]
+    assert close(drafter.next_logits(branch), branch)
+    main, branch = [*main, 70], [*branch, 71]
+    got_main, got_branch = drafter.next_logits_pair(main, branch)
+    assert fed[-1]["input_ids"].shape == (2, 1)
+    assert close(got_main, main) and close(got_branch, branch)
