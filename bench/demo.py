@@ -13,6 +13,7 @@ from pathlib import Path
 
 from orchestrate import run_edge, running_server
 
+from specsplit.common.export_meta import DraftExportMeta
 from specsplit.server import models
 from specsplit.server.loading import resolve_dtype
 
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speedup: {speedup:.2f}x   acceptance rate: {split['acceptance_rate']:.0%}   "
           f"mean accepted per verification: {split['mean_accepted']:.2f}   drafts wasted: {split['drafts_wasted']}")
     print(f"pinning: {pinning}; target served in {resolve_dtype('auto', 'cpu')} on CPU (bf16 weights), "
-          "draft int8 ONNX on CPU; loopback, no added delay")
+          f"draft ONNX ({DraftExportMeta.load(pair.draft_dir).weights}) on CPU; loopback, no added delay")
     print(f"identical: {'yes' if identical else 'no'}")
     if not identical:
         print("error: the split output differs from the server-alone output", file=sys.stderr)

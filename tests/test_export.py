@@ -46,18 +46,39 @@ def test_int8_export_scales_each_output_channel(tiny, tmp_path) -> None:
     assert any(s.ndim == 1 and s.size > 1 for s in scales.values())
 
 
-def test_prepare_redoes_an_export_made_with_the_older_int8_scheme(tiny, tmp_path) -> None:
+def test_int4_export_stores_matrices_in_blocks_of_32_and_drafts(tiny, tmp_path) -> None:
+    from specsplit.edge.drafter import OnnxDrafter
+
+    out = tmp_path / "int4"
+    meta = export_draft(str(tiny.target_dir), out, quantize="int4")
+    assert meta.weights == "int4 blocks of 32, asymmetric; embeddings int8"
+    model = onnx.load(str(out / "model.onnx"))
+    ops = {node.op_type for node in model.graph.node}
+    blocks = {a.i for node in model.graph.node if node.op_type == "MatMulNBits" for a in node.attribute
+              if a.name in ("bits", "block_size")}
+    assert blocks == {4, 32} and "MatMulInteger" not in ops
+    # No float weight matrix is left: the biggest float initializer is far smaller than the embedding table.
+    floats = [np.prod(t.dims) for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    assert max(floats) < meta.vocab_size * 64
+    logits = OnnxDrafter(out).next_logits([5, 6, 7, 8])
+    want = OnnxDrafter(tiny.same_dir).next_logits([5, 6, 7, 8])
+    assert logits.shape == want.shape and np.corrcoef(logits, want)[0, 1] > 0.9
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_prepare_redoes_an_export_made_with_an_older_scheme(tiny, tmp_path, quantize) -> None:
     from specsplit.common.export_meta import DraftExportMeta
+    from specsplit.server.export import SCHEMES
     from specsplit.server.models import prepare_draft
 
     out = tmp_path / "draft"
-    export_draft(str(tiny.target_dir), out, quantize="int8")
+    export_draft(str(tiny.target_dir), out, quantize=quantize)
     old = DraftExportMeta.load(out)
     stamp = (out / "model.onnx").stat().st_mtime_ns
-    prepare_draft(tiny.target_dir, out)  # current scheme: kept as it is
+    prepare_draft(tiny.target_dir, out, quantize)  # current scheme: kept as it is
     assert (out / "model.onnx").stat().st_mtime_ns == stamp
-    extra = {k: v for k, v in old.extra.items() if k != "int8_scheme"}
+    extra = {k: v for k, v in old.extra.items() if k != f"{quantize}_scheme"}
     DraftExportMeta(**{**old.__dict__, "extra": extra}).save(out)  # as an older version wrote it
-    prepare_draft(tiny.target_dir, out)
-    assert DraftExportMeta.load(out).weights == "int8 per-channel"
+    prepare_draft(tiny.target_dir, out, quantize)
+    assert DraftExportMeta.load(out).weights == f"{quantize} {SCHEMES[quantize]}"
     assert (out / "model.onnx").stat().st_mtime_ns != stamp

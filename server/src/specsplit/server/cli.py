@@ -128,7 +128,8 @@ def _models(args: argparse.Namespace) -> int:
         paths = models.pull(args.pair, root)
         result = {role: str(p) for role, p in paths.items()}
     else:
-        pair = models.prepare(args.pair, root, target_source=args.target, draft_source=args.draft)
+        pair = models.prepare(args.pair, root, target_source=args.target, draft_source=args.draft,
+                              draft_quantize=args.draft_quantize)
         result = {"target": str(pair.target_dir), "draft": str(pair.draft_dir)}
     if args.json:
         print(json.dumps(result))
@@ -253,8 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge")
     e.add_argument("--model", required=True, help="Hugging Face directory, .gguf file or hub id")
     e.add_argument("--out", required=True, help="output directory (replaced if it exists)")
-    e.add_argument("--quantize", choices=["none", "int8"], default="none",
-                   help="int8 dynamic weight quantization, one scale per output channel")
+    e.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
+                   help="int8: weights to int8, one scale per output channel; int4: weight matrices to 4 bits "
+                   "in blocks of 32 with a scale and zero point each, the embedding table to int8 (the "
+                   "activations are quantized on the fly in both)")
     e.add_argument(
         "--tolerance", type=float, default=5e-3, help="max |logit difference| ONNX Runtime vs torch (fp32 graph)"
     )
@@ -265,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="fetch and prepare the default model pair",
         description="pull: download the default pair's GGUF files into the cache and verify their sha256 "
         "(idempotent, resumes). prepare: pull, then convert the target to a bf16 Hugging Face directory and "
-        "export the draft to int8 ONNX, both cached. --target/--draft take any local Hugging Face directory, "
+        "export the draft to quantized ONNX (int4 unless --draft-quantize says otherwise), both cached. "
+        "--target/--draft take any local Hugging Face directory, "
         "GGUF file or hub id instead of the defaults.",
     )
     m.add_argument("action", choices=["pull", "prepare"])
@@ -273,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--cache-dir", default=None, help="default: $SPECSPLIT_CACHE or ~/.cache/specsplit")
     m.add_argument("--target", default=None, help="prepare: use this target instead of the default")
     m.add_argument("--draft", default=None, help="prepare: use this draft instead of the default")
+    m.add_argument("--draft-quantize", choices=["int8", "int4"], default="int4",
+                   help="prepare: the draft's weights (default int4; see export-draft --quantize)")
     m.add_argument("--json", action="store_true", help="print the resulting paths as JSON")
     m.set_defaults(func=_models)
 

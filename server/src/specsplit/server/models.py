@@ -223,7 +223,7 @@ def pull(pair: str = DEFAULT_PAIR, root: Path | None = None) -> dict[str, Path]:
 @dataclass(frozen=True)
 class PreparedPair:
     target_dir: Path  # bf16 Hugging Face directory
-    draft_dir: Path  # int8 ONNX export directory
+    draft_dir: Path  # quantized ONNX export directory
 
 
 def _prepared_marker(directory: Path) -> Path:
@@ -255,23 +255,28 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
     return out
 
 
-def prepare_draft(gguf: Path, out: Path) -> Path:
-    """Export a GGUF draft once to an int8 ONNX directory for the edge."""
+# The edge's default weights: as often right as int8 on the default pair, quicker and smaller
+# (export.SCHEMES says why).
+DRAFT_QUANTIZATION = "int4"
+
+
+def prepare_draft(gguf: Path, out: Path, quantize: str = DRAFT_QUANTIZATION) -> Path:
+    """Export a GGUF draft once to a quantized ONNX directory for the edge."""
     from specsplit.common.export_meta import DraftExportMeta
-    from specsplit.server.export import INT8_SCHEME, export_draft
+    from specsplit.server.export import SCHEMES, export_draft
     from specsplit.server.loading import source_sha256
 
     try:
         meta = DraftExportMeta.load(out)
-        if meta.source_sha256 == source_sha256(str(gguf)) and meta.quantization == "int8":
-            if meta.extra.get("int8_scheme") == INT8_SCHEME:
+        if meta.source_sha256 == source_sha256(str(gguf)) and meta.quantization == quantize:
+            if meta.extra.get(f"{quantize}_scheme") == SCHEMES[quantize]:
                 log.info("%s: already prepared", out)
                 return out
-            log.info("%s: made with an older int8 scheme; exporting it again (%s scales)", out, INT8_SCHEME)
+            log.info("%s: made with an older %s scheme; exporting it again (%s)", out, quantize, SCHEMES[quantize])
     except FileNotFoundError:
         pass
-    log.info("exporting %s to int8 ONNX (about a minute)", gguf.name)
-    export_draft(str(gguf), out, quantize="int8")
+    log.info("exporting %s to %s ONNX (about a minute)", gguf.name, quantize)
+    export_draft(str(gguf), out, quantize=quantize)
     return out
 
 
@@ -287,6 +292,7 @@ def prepare(
     root: Path | None = None,
     target_source: str | None = None,
     draft_source: str | None = None,
+    draft_quantize: str = DRAFT_QUANTIZATION,
 ) -> PreparedPair:
     """Prepared target and draft; sources default to the pair's GGUF files (pulled if needed)."""
     root = root or cache_dir()
@@ -299,8 +305,7 @@ def prepare(
         target = Path(target_source)  # a Hugging Face directory is served as it is
     else:
         target = prepare_target(Path(target_source), root / "prepared" / f"{_prepared_name(target_source)}-bf16")
-    if draft_source is None:
-        draft = prepare_draft(ggufs["draft"], root / "prepared" / f"{draft_spec.name}-int8-onnx")
-    else:
-        draft = prepare_draft(Path(draft_source), root / "prepared" / f"{_prepared_name(draft_source)}-int8-onnx")
+    name = draft_spec.name if draft_source is None else _prepared_name(draft_source)
+    source = ggufs["draft"] if draft_source is None else Path(draft_source)
+    draft = prepare_draft(source, root / "prepared" / f"{name}-{draft_quantize}-onnx", draft_quantize)
     return PreparedPair(target, draft)

@@ -20,15 +20,15 @@ class DraftExportMeta:
     tokenizer_fingerprint: str
     source_model: str
     source_sha256: str = ""
-    quantization: str = "none"  # "none" or "int8"
+    quantization: str = "none"  # "none", "int8" or "int4"
     max_abs_logit_diff: float = 0.0  # ONNX Runtime vs torch, fp32 graph
     dtype: str = "float32"
     extra: dict = field(default_factory=dict)
 
     @property
     def weights(self) -> str:
-        """How the weights are stored, for reports: `none`, `int8`, `int8 per-channel`."""
-        scheme = self.extra.get("int8_scheme")
+        """How the weights are stored, for reports: `none`, `int8 per-channel`, `int4 blocks of 32, ...`."""
+        scheme = self.extra.get(f"{self.quantization}_scheme")
         return f"{self.quantization} {scheme}" if scheme else self.quantization
 
     def save(self, directory: Path) -> None:
