@@ -68,6 +68,34 @@ def test_mixed_sessions_are_lossless_and_hit_alpha(tiny, running, references) ->
     assert point["verdict_latency_ms"]["count"] > 0 and point["itl_ms"]["count"] > 0
 
 
+def test_simulated_edges_branch_beside_wrong_drafts_losslessly(tiny, running, references) -> None:
+    server, prompts = running[1].server, running[1].prompts
+    settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.6, branch_coverage=1.0, seed=3,
+                            duration_s=None, generations=3)
+    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+                    settings, str(tiny.draft_dir))
+    point = run_point(server, spec, ["sim"] * 4)
+    assert point["errors"] == {"total": 0, "by_code": {}} and point["mismatched_outputs"] == 0
+    sim = point["acceptance"]["sim"]
+    assert sim["rejections"] > 0 and sim["branches_taken"] > 0, sim
+
+
+def test_simulated_drafter_offers_a_branch_only_beside_a_wrong_draft_once() -> None:
+    reference = list(range(10, 60))
+    drafter = SimulatedDrafter(3, reference, 100, 0.5, random.Random(1), branch_coverage=1.0)
+    picks = [drafter.choose(i) for i in range(40)]
+    for i, pick in enumerate(picks):
+        branch = drafter.branch_beside(3 + i, 4)
+        if pick == reference[i]:
+            assert branch is None
+        else:
+            assert branch is not None and len(branch) == 4 and branch[0] == reference[i]
+            assert drafter.branch_beside(3 + i, 4) is None  # once
+    never = SimulatedDrafter(3, reference, 100, 0.0, random.Random(1), branch_coverage=0.0)
+    never.choose(0)
+    assert never.branch_beside(3, 4) is None
+
+
 def test_simulated_drafter_proposes_right_token_at_alpha() -> None:
     reference = list(range(10, 60))
     drafter = SimulatedDrafter(3, reference, 100, 0.7, random.Random(0))

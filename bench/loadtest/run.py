@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo", type=float, default=20.0, help="tokens/s every session must get (default 20)")
     p.add_argument("--alpha", type=float, default=0.7, help="sim edges: per-position acceptance rate (default 0.7)")
     p.add_argument("--draft-delay-ms", type=float, default=0.0, help="sim edges: drafting time per token (default 0)")
+    p.add_argument("--branch-coverage", type=float, default=0.0,
+                   help="sim edges: chance that a wrong draft has a branch beside it from the right token, as a "
+                   "real edge drafts one where its runner-up turns out right (default 0: no branches; the default "
+                   "pair at RTT 50 ms: 0.39)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--duration", type=float, default=10.0, help="seconds per point (default 10)")
     length.add_argument("--generations", type=int, help="instead of --duration: generations per session per point")
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo)
     settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window,
                             adaptive_window=not args.fixed_window, alpha=args.alpha,
-                            draft_delay_ms=args.draft_delay_ms, seed=args.seed,
+                            draft_delay_ms=args.draft_delay_ms,
+                            branch_coverage=args.branch_coverage, seed=args.seed,
                             duration_s=None if args.generations else args.duration, generations=args.generations)
     server_cores, client_cores = split_cores(args.server_cores, args.client_cores)
     args.out_dir.mkdir(parents=True, exist_ok=True)

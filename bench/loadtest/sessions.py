@@ -40,6 +40,7 @@ class LoadSettings:
     adaptive_window: bool = True  # as the edge client by default: the lookahead follows acceptance
     alpha: float = 0.7  # sim edges: chance per position of proposing the target's token
     draft_delay_ms: float = 0.0  # sim edges: drafting time per token
+    branch_coverage: float = 0.0  # sim edges: chance of a branch from the right token beside a wrong draft
     seed: int = 0  # of the sim edges' draws
     duration_s: float | None = 10.0  # generations are started until then and run to their end
     generations: int | None = None  # instead of a duration: this many per session
@@ -75,6 +76,7 @@ class GenerationRecord:
     acceptance: Acceptance
     drafts_made: int
     drafts_wasted: int
+    branches_taken: int = 0  # rejections after which the edge carried on along its branch
 
 
 @dataclass
@@ -125,6 +127,7 @@ def _record(result: GenerationResult, reference: tuple[int, ...], started: float
         acceptance=acceptance(result.timeline),
         drafts_made=result.stats.drafts_made,
         drafts_wasted=result.stats.drafts_wasted,
+        branches_taken=result.stats.branches_taken,
     )
 
 
@@ -146,7 +149,8 @@ class _Session:
     def _drafter(self, prompt: int) -> OnnxDrafter | SimulatedDrafter | PacedSimulatedDrafter | None:
         if self.log.kind == "sim":
             s, load = self.spec, self.spec.settings
-            sim = SimulatedDrafter(len(s.prompts[prompt]), s.references[prompt], s.vocab_size, load.alpha, self.rng)
+            sim = SimulatedDrafter(len(s.prompts[prompt]), s.references[prompt], s.vocab_size, load.alpha, self.rng,
+                                   load.branch_coverage)
             return PacedSimulatedDrafter(sim, load.draft_delay_ms / 1000) if load.draft_delay_ms > 0 else sim
         return self.onnx
 

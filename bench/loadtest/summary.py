@@ -45,6 +45,7 @@ def _acceptance(sessions: list[SessionLog], kind: str, spec: LoadSpec) -> dict:
         "rejections": acc.rejections,
         "drafts_made": sum(r.drafts_made for r in records),
         "drafts_wasted": sum(r.drafts_wasted for r in records),
+        "branches_taken": sum(r.branches_taken for r in records),
     }
     return {"alpha_set": spec.settings.alpha, **out} if kind == "sim" else out
 

@@ -243,10 +243,12 @@ class _Generation:
         # Drafters that choose tokens themselves (prompt lookup, the load test's simulated
         # edge) offer next_token(trajectory) -> id; greedy sessions use it directly.
         pick = getattr(drafter, "next_token", None) if self.proposer.mode is VerificationMode.GREEDY else None
-        # A branch needs the drafter's runner-up, so model-free drafters draft none.
+        # A branch needs the drafter's runner-up, so model-free drafters draft none, unless they
+        # offer branch_beside(position, length) -> tokens or None (the load test's simulated edge).
         branching = (
             not sync and pick is None and self.cfg.branch_tokens > 0 and self.proposer.mode is VerificationMode.GREEDY
         )
+        beside = getattr(drafter, "branch_beside", None) if not sync and pick is not None else None
         awaiting: int | None = None  # sync: verdict count when the last round was sent
         while edge.done is None:
             if sync and awaiting is not None:
@@ -298,6 +300,11 @@ class _Generation:
                     awaiting = self._verdicts
                 self._mark("send", self._now(), chunk.start, len(chunk.tokens))
                 self._send(codec.draft_to_pb(chunk))
+                if beside is not None and self.cfg.branch_tokens > 0:
+                    for position in range(chunk.start, chunk.start + len(chunk.tokens)):
+                        tokens = beside(position, self.cfg.branch_tokens)
+                        if tokens:
+                            self._send(codec.draft_to_pb(edge.branch_chunk(position, tokens)))
 
     def _branch_point(self) -> int | None:
         """Where to branch now, among the sent drafts whose drafter view is known (branching.py)."""
