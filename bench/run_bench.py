@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         for pr, r in zip(wanted, run_script(script, [*script_args(), "--max-new-tokens", n, *texts], core)):
             record(mode, None, pr["id"], r)
 
-    anchor("draft", f"draft alone (ONNX {DraftExportMeta.load(pair.draft_dir).quantization}, one core, one thread)", "draft_alone.py",
+    weights = DraftExportMeta.load(pair.draft_dir).quantization
+    anchor("draft", f"draft alone (ONNX {weights}, one core, one thread)", "draft_alone.py",
            lambda: ["--draft", str(pair.draft_dir)], EDGE_CORE)
     anchor("hf-assisted", f"Hugging Face assisted generation (both models {resolve_dtype('auto', 'cpu')}, one process, one core)",
            "hf_assisted.py", lambda: ["--target", str(pair.target_dir), "--draft", str(models.pull()["draft"])],

@@ -202,15 +202,18 @@ def test_drafter_keeps_the_main_line_cache_while_drafting_a_branch(tiny) -> None
     np.testing.assert_allclose(got_branch, fresh.next_logits(branch), atol=1e-4)
 
 
-def test_drafter_grows_line_and_branch_in_one_batched_run(tiny) -> None:
+@pytest.mark.parametrize("holes_kept", [16, 0])  # 0: every single-row step drops the padding
+def test_drafter_grows_line_and_branch_in_one_batched_run(tiny, monkeypatch, holes_kept) -> None:
     """next_logits_pair: one run of two rows, each fed only its new token over its own cache
     (the shorter one padded and masked), giving each line what it gets alone. (The tiny
-    export is fp32, so to rounding; an int8 export's activations are quantized over both
-    rows, which moves the logits a little but not the drafts' argmax, on the default draft.)
+    export is fp32, so to rounding; a quantized export's activations are quantized over both
+    rows, which moves the logits a little: an int8 draft's argmax stayed over 40 steps.)
     Consecutive batched steps feed the last step's arrays as they are; the padding they keep
     stays masked through single steps and rollbacks of either line."""
+    from specsplit.edge import drafter as drafter_mod
     from specsplit.edge.drafter import OnnxDrafter
 
+    monkeypatch.setattr(drafter_mod, "HOLES_KEPT", holes_kept)
     drafter = OnnxDrafter(tiny.draft_dir)
     fresh = OnnxDrafter(tiny.draft_dir)
 
@@ -242,10 +245,13 @@ def test_drafter_grows_line_and_branch_in_one_batched_run(tiny) -> None:
     got_branch, got_main = drafter.next_logits_pair(branch, main)  # either order keeps the rows
     assert fed[-1][past] is outputs[-2][1]
     assert close(got_main, main) and close(got_branch, branch)
-    # The branch (row 1) was padded to the line's width: a single step, a rollback into the
-    # padding's left and a new batched step must still see only the branch's own keys.
+    # The branch (row 1) was padded to the line's width: a single step, a rollback that cuts
+    # through the tokens after the padding and a new batched step must still see only the
+    # branch's own keys.
     branch = [*branch, 50]
     assert close(drafter.next_logits(branch), branch)
+    holes = [c for c in drafter._caches if c.tokens == branch][0].mask.size - len(branch)
+    assert holes == (2 if holes_kept else 0)
     branch = [*branch[:5], 60]
     assert close(drafter.next_logits(branch), branch)
     main, branch = [*main, 70], [*branch, 71]

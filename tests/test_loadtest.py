@@ -82,18 +82,27 @@ def test_simulated_edges_branch_beside_wrong_drafts_losslessly(tiny, running, re
 
 def test_simulated_drafter_offers_a_branch_only_beside_a_wrong_draft_once() -> None:
     reference = list(range(10, 60))
-    drafter = SimulatedDrafter(3, reference, 100, 0.5, random.Random(1), branch_coverage=1.0)
-    picks = [drafter.choose(i) for i in range(40)]
-    for i, pick in enumerate(picks):
-        branch = drafter.branch_beside(3 + i, 4)
+    drafter = SimulatedDrafter(3, reference, 100, 0.5, random.Random(1), 1.0, random.Random(2))
+    for i in range(40):
+        pick = drafter.choose(i)
+        branch = drafter.branch_beside(3 + i, pick, 4)
         if pick == reference[i]:
             assert branch is None
         else:
             assert branch is not None and len(branch) == 4 and branch[0] == reference[i]
-            assert drafter.branch_beside(3 + i, 4) is None  # once
-    never = SimulatedDrafter(3, reference, 100, 0.0, random.Random(1), branch_coverage=0.0)
-    never.choose(0)
-    assert never.branch_beside(3, 4) is None
+            assert drafter.branch_beside(3 + i, pick, 4) == ()  # decided once
+    never = SimulatedDrafter(3, reference, 100, 0.0, random.Random(1))
+    assert never.branch_beside(3, 99, 4) == () and never.branch_beside(3, reference[0], 4) is None
+    # Branches do not move the line's own draws.
+    picks = []
+    for coverage in (0.0, 1.0):
+        d = SimulatedDrafter(3, reference, 100, 0.7, random.Random(5), coverage, random.Random(6))
+        drawn = []
+        for i in range(30):
+            drawn.append(d.choose(i))
+            d.branch_beside(3 + i, drawn[-1], 4)
+        picks.append(drawn)
+    assert picks[0] == picks[1]
 
 
 def test_simulated_drafter_proposes_right_token_at_alpha() -> None:

@@ -93,8 +93,8 @@ def render_markdown(report: dict, name: str) -> str:
         f"{s['max_new_tokens']} new tokens per generation, greedy, {len(report['prompts'])} prompts cycled, "
         f"lookahead window {_window(s)}",
         f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
-        f"draft delay {s['draft_delay_ms']:g} ms per token",
-        f"branches beside {s.get('branch_coverage', 0.0):.0%} of wrong drafts",
+        f"draft delay {s['draft_delay_ms']:g} ms per token, a branch from the right token beside "
+        f"{s.get('branch_coverage', 0.0):.0%} of the first wrong drafts",
         f"- SLO: every session at least {report['slo']:g} tokens/s (the tokens it committed before the point's "
         "time was up, over the time from its first generation until then; the generations still running then "
         "finish with ever fewer sessions and are not counted past it) and no errors; a mode's sweep stops at its "

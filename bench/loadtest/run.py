@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.branch_coverage and args.draft_delay_ms:
+        raise SystemExit("--branch-coverage needs simulated edges that pick tokens at once (no --draft-delay-ms)")
     cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo)
     settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window,
                             adaptive_window=not args.fixed_window, alpha=args.alpha,

@@ -143,6 +143,7 @@ class _Session:
         self.cfg = EdgeConfig(mode=KINDS[kind], window=load.window, adaptive_window=load.adaptive_window,
                               max_new_tokens=load.max_new_tokens, timeline=True)
         self.rng = random.Random(load.seed * 1_000_003 + index)
+        self.branch_rng = random.Random(load.seed * 1_000_003 + index + 500_009)
         # Built before the clock starts: an ONNX session takes a while to create.
         self.onnx = OnnxDrafter(Path(spec.draft_dir)) if spec.draft_dir and kind == "onnx" else None
 
@@ -150,7 +151,7 @@ class _Session:
         if self.log.kind == "sim":
             s, load = self.spec, self.spec.settings
             sim = SimulatedDrafter(len(s.prompts[prompt]), s.references[prompt], s.vocab_size, load.alpha, self.rng,
-                                   load.branch_coverage)
+                                   load.branch_coverage, self.branch_rng)
             return PacedSimulatedDrafter(sim, load.draft_delay_ms / 1000) if load.draft_delay_ms > 0 else sim
         return self.onnx
 

@@ -21,51 +21,60 @@ import numpy as np
 
 class SimulatedDrafter:
     def __init__(self, prompt_len: int, reference: Sequence[int], vocab_size: int, alpha: float,
-                 rng: random.Random, branch_coverage: float = 0.0) -> None:
+                 rng: random.Random, branch_coverage: float = 0.0, branch_rng: random.Random | None = None) -> None:
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         if not 0.0 <= branch_coverage <= 1.0:
             raise ValueError(f"branch_coverage must be in [0, 1], got {branch_coverage}")
         if vocab_size < 2:
             raise ValueError("a wrong token needs a vocabulary of at least 2")
+        if branch_coverage > 0 and branch_rng is None:
+            raise ValueError("branches need a generator of their own (branch_rng)")
         self.prompt_len = prompt_len
         self.reference = list(reference)
         self.vocab_size = vocab_size
         self.alpha = alpha
         self.rng = rng
         self.branch_coverage = branch_coverage
-        self._misses: set[int] = set()  # generated positions drafted wrong, not yet offered a branch
+        # Branches draw from a generator of their own: the line's draws are then those it
+        # would make without branches, up to where a branch is followed.
+        self._branch_rng = branch_rng if branch_coverage > 0 else None
+        self._offered: set[tuple[int, int]] = set()  # (generated position, wrong draft) already decided
 
-    def choose(self, position: int, line: bool = True) -> int:
-        """The draft for generated position `position` (0: the first new token); `line`:
-        for the line, not for a branch (only the line's wrong drafts get branches).
+    def choose(self, position: int) -> int:
+        """The draft for generated position `position` (0: the first new token).
 
         Positions past the known continuation are never verified on the right trajectory,
         so any token does; after a wrong draft the target rejects what follows anyway."""
+        return self._draw(position, self.rng)
+
+    def _draw(self, position: int, rng: random.Random) -> int:
         right = self.reference[position] if position < len(self.reference) else None
-        if right is not None and self.rng.random() < self.alpha:
+        if right is not None and rng.random() < self.alpha:
             return right
         if right is None:
-            return self.rng.randrange(self.vocab_size)
-        wrong = self.rng.randrange(self.vocab_size - 1)
-        if line:
-            self._misses.add(position)
+            return rng.randrange(self.vocab_size)
+        wrong = rng.randrange(self.vocab_size - 1)
         return wrong + 1 if wrong >= right else wrong
 
     def next_token(self, trajectory: Sequence[int]) -> int:
         return self.choose(len(trajectory) - self.prompt_len)
 
-    def branch_beside(self, position: int, length: int) -> list[int] | None:
-        """A branch of up to `length` tokens beside the draft at trajectory position
-        `position`, or None: offered (with chance branch_coverage) only beside a wrong draft,
-        once; it starts with the right token and goes on as drafts do."""
+    def branch_beside(self, position: int, drafted: int, length: int) -> tuple[int, ...] | None:
+        """For the draft `drafted` at trajectory position `position`: None if it is right;
+        if wrong, the branch to send beside it (up to `length` tokens, from the right token
+        on, drawn as drafts are), or () for none, the branch coming with chance
+        branch_coverage, decided once per wrong draft."""
         generated = position - self.prompt_len
-        if generated not in self._misses or length < 1:
+        if not 0 <= generated < len(self.reference) or drafted == self.reference[generated]:
             return None
-        self._misses.discard(generated)
-        if self.rng.random() >= self.branch_coverage:
-            return None
-        return [self.reference[generated], *(self.choose(generated + 1 + i, line=False) for i in range(length - 1))]
+        if self._branch_rng is None or length < 1 or (generated, drafted) in self._offered:
+            return ()
+        self._offered.add((generated, drafted))
+        if self._branch_rng.random() >= self.branch_coverage:
+            return ()
+        rest = (self._draw(generated + 1 + i, self._branch_rng) for i in range(length - 1))
+        return (self.reference[generated], *rest)
 
 
 class PacedSimulatedDrafter:

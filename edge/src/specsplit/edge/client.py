@@ -244,7 +244,8 @@ class _Generation:
         # edge) offer next_token(trajectory) -> id; greedy sessions use it directly.
         pick = getattr(drafter, "next_token", None) if self.proposer.mode is VerificationMode.GREEDY else None
         # A branch needs the drafter's runner-up, so model-free drafters draft none, unless they
-        # offer branch_beside(position, length) -> tokens or None (the load test's simulated edge).
+        # offer branch_beside(position, token, length) (the load test's simulated edge): None
+        # where the draft is right, else the branch to send beside it, () for none.
         branching = (
             not sync and pick is None and self.cfg.branch_tokens > 0 and self.proposer.mode is VerificationMode.GREEDY
         )
@@ -300,11 +301,24 @@ class _Generation:
                     awaiting = self._verdicts
                 self._mark("send", self._now(), chunk.start, len(chunk.tokens))
                 self._send(codec.draft_to_pb(chunk))
-                if beside is not None and self.cfg.branch_tokens > 0:
-                    for position in range(chunk.start, chunk.start + len(chunk.tokens)):
-                        tokens = beside(position, self.cfg.branch_tokens)
-                        if tokens:
-                            self._send(codec.draft_to_pb(edge.branch_chunk(position, tokens)))
+                if beside is not None and self.cfg.branch_tokens > 0 and edge.branch is None:
+                    self._offer_branch(beside, chunk.start, chunk.tokens)
+
+    def _offer_branch(self, beside: Callable[[int, int, int], tuple[int, ...] | None], start: int,
+                      tokens: Sequence[int]) -> None:
+        """Send the branch a token-picking drafter offers beside the earliest wrong draft of
+        a chunk, if it offers one there: one branch at a time, as a drafting edge keeps."""
+        edge = self.edge
+        assert edge is not None
+        for position, token in enumerate(tokens, start):
+            # Like a grown branch, an offered one may not reach past the server's lookahead.
+            room = min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - position)
+            branch = beside(position, token, room)
+            if branch is not None:
+                if branch:
+                    self._mark("send-branch", self._now(), position, len(branch))
+                    self._send(codec.draft_to_pb(edge.branch_chunk(position, branch)))
+                return
 
     def _branch_point(self) -> int | None:
         """Where to branch now, among the sent drafts whose drafter view is known (branching.py)."""

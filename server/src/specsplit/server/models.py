@@ -269,10 +269,10 @@ def prepare_draft(gguf: Path, out: Path, quantize: str = DRAFT_QUANTIZATION) -> 
     try:
         meta = DraftExportMeta.load(out)
         if meta.source_sha256 == source_sha256(str(gguf)) and meta.quantization == quantize:
-            if meta.extra.get(f"{quantize}_scheme") == SCHEMES[quantize]:
+            if meta.extra.get(f"{quantize}_scheme") == SCHEMES.get(quantize):
                 log.info("%s: already prepared", out)
                 return out
-            log.info("%s: made with an older %s scheme; exporting it again (%s)", out, quantize, SCHEMES[quantize])
+            log.info("%s: made with an older %s scheme; exporting it again (%s)", out, quantize, SCHEMES.get(quantize))
     except FileNotFoundError:
         pass
     log.info("exporting %s to %s ONNX (about a minute)", gguf.name, quantize)
