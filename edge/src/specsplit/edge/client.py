@@ -201,7 +201,10 @@ class _Generation:
                 await drafting  # Done arrived: the drafting loop sees it and stops
         finally:
             self._outgoing.put_nowait(None)  # half-close
-            self._pool.shutdown(wait=False)
+            # A cancelled drafting loop can leave a step running in the pool's thread. Wait for
+            # it: a retry, or the next generation of a long-lived client, reuses the drafter,
+            # whose caches must never be stepped from two threads at once.
+            await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown)
         self.stats.finish(self.edge, time.perf_counter() - t0, self.commit_times)
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
