@@ -316,3 +316,14 @@ def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
     proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("mode", [pb.DRAFT_MODE_SYNC, pb.DRAFT_MODE_ASYNC])
+def test_an_edge_that_stops_sending_still_gets_its_whole_output(tiny, server, mode) -> None:
+    """An edge that half-closes its side right after Open (it will send no drafts) is
+    decoded to the end by the server alone: a sync session must not wait for drafts that
+    cannot come."""
+    code, got = raw_stream(server, [open_msg(PROMPT, max_new=6, draft_mode=mode)], timeout=20)
+    assert code is None
+    tokens = [t for m in got if m.HasField("verdict") for t in m.verdict.tokens]
+    assert tokens == reference(str(tiny.target_dir), PROMPT, 6) and got[-1].HasField("done")

@@ -74,6 +74,7 @@ class SessionHandle:
     budget: int = 0  # drafts the next verification takes, as planned
     arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
     explorer: Explorer = field(default_factory=Explorer)  # verifies drafts now and then when the policy declines them
+    sending: bool = True  # False once the edge has half-closed: no drafts will come, so nothing waits for them
 
     def draft_rate(self, now: float) -> float:
         """Drafts per second lately received from the edge."""
@@ -142,7 +143,7 @@ class VerificationWorker:
         available = s.candidate_count
         mode = s.request.draft_mode
         h.budget = min(available, limit)
-        if mode is DraftMode.NONE:
+        if mode is DraftMode.NONE or not h.sending:
             return now
         if mode is DraftMode.SYNC:
             # The classic scheme: wait for the k drafts the edge sends, verify them all.

@@ -106,6 +106,10 @@ class SpecSplitService:
                     self.worker.notify()
             if conn.session is None:
                 raise errors.ClosedBeforeOpen("the stream was half-closed before an Open message")
+            handle = self.worker.sessions.get(conn.session.session_id)
+            if handle is not None:  # the edge sends nothing more: the server decodes the rest itself
+                handle.sending = False
+                self.worker.notify()
         except errors.ProtocolError as exc:
             await outbox.put(exc)
 
