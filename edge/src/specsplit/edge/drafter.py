@@ -23,6 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specsplit.common.export_meta import MODEL_FILE, DraftExportMeta
+from specsplit.common.prefix import common_prefix
 
 
 class Drafter(Protocol):
@@ -41,13 +42,6 @@ class _Cache:
     mask: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # The batched step's outputs and this line's row in them, while `past` is that row whole.
     batch: tuple[list[np.ndarray], int] | None = None
-
-    def common_prefix(self, trajectory: Sequence[int]) -> int:
-        n = min(len(self.tokens), len(trajectory))
-        common = 0
-        while common < n and self.tokens[common] == trajectory[common]:
-            common += 1
-        return common
 
 
 HOLES_KEPT = 16  # padding columns a line's cache may carry before a single-row step drops them
@@ -84,7 +78,7 @@ class OnnxDrafter:
         cache goes when there are too many."""
         best, common = self._caches[-1], -1
         for cache in reversed(self._caches):
-            n = cache.common_prefix(trajectory)
+            n = common_prefix(cache.tokens, trajectory)
             if n > common:
                 best, common = cache, n
         self._caches.remove(best)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from specsplit.common.prefix import common_prefix
+
 MASK64 = (1 << 64) - 1
 ROOT_HASH = 0x243F6A8885A308D3  # hash "before" position 0
 
@@ -44,12 +46,7 @@ class HashedSequence:
 
     def agreement(self, start: int, tokens: Sequence[int]) -> int:
         """How many of `tokens` equal this sequence's, position by position from `start`."""
-        n = 0
-        for held, token in zip(self.tokens[start:], tokens):
-            if held != token:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens[start:], tokens)
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
