@@ -252,7 +252,10 @@ class _Generation:
         branching = (
             not sync and pick is None and self.cfg.branch_tokens > 0 and self.proposer.mode is VerificationMode.GREEDY
         )
-        beside = getattr(drafter, "branch_beside", None) if not sync and pick is not None else None
+        beside = (
+            getattr(drafter, "branch_beside", None) if not sync and pick is not None and self.cfg.branch_tokens > 0
+            else None
+        )
         awaiting: int | None = None  # sync: verdict count when the last round was sent
         while edge.done is None:
             if sync and awaiting is not None:
@@ -304,7 +307,7 @@ class _Generation:
                     awaiting = self._verdicts
                 self._mark("send", self._now(), chunk.start, len(chunk.tokens))
                 self._send(codec.draft_to_pb(chunk))
-                if beside is not None and self.cfg.branch_tokens > 0 and edge.branch is None:
+                if beside is not None and edge.branch is None:
                     self._offer_branch(beside, chunk.start, chunk.tokens)
 
     def _offer_branch(self, beside: Callable[[int, int, int], tuple[int, ...] | None], start: int,
@@ -314,9 +317,7 @@ class _Generation:
         edge = self.edge
         assert edge is not None
         for position, token in enumerate(tokens, start):
-            # Like a grown branch, an offered one may not reach past the server's lookahead.
-            room = min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - position)
-            branch = beside(position, token, room)
+            branch = beside(position, token, self._branch_room(position))
             if branch is not None:
                 if branch:
                     self._mark("send-branch", self._now(), position, len(branch))
@@ -348,6 +349,13 @@ class _Generation:
             self._mark("send-branch", self._now(), start, 1)
             self._send(codec.draft_to_pb(edge.branch_chunk(start, (runner_up,))))
 
+    def _branch_room(self, start: int) -> int:
+        """The longest a branch from `start` may be: --branch-tokens, and not past the
+        server's lookahead limit."""
+        edge = self.edge
+        assert edge is not None
+        return min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
+
     def _branch_due(self) -> bool:
         """Whether the next drafting step should grow the branch: while it is shorter than
         the main line past its start (then both grow in one batched step), or whenever the
@@ -357,9 +365,7 @@ class _Generation:
         if edge.branch is None:
             return False
         start, tokens = edge.branch
-        # A branch may not reach past the server's lookahead limit either.
-        length = min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
-        return len(tokens) < length and (len(tokens) < len(edge.tokens) - start or edge.room() <= 0)
+        return len(tokens) < self._branch_room(start) and (len(tokens) < len(edge.tokens) - start or edge.room() <= 0)
 
     async def _extend_branch(self) -> None:
         """Draft one more token of the branch alone."""

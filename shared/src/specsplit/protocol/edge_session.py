@@ -130,7 +130,7 @@ class EdgeSession:
             )
         new = verdict.tokens
         switched = self._follow_branch(new)
-        spec = self._seq.tokens[self.committed_len : self.committed_len + len(new)]
+        held = min(len(new), len(self._seq) - self.committed_len)  # drafts the verdict's tokens stand on
         agree = self._seq.agreement(self.committed_len, new)
         resync = switched
         if agree < len(new):
@@ -140,7 +140,7 @@ class EdgeSession:
             del self._dists[agree:]
             self._seq.extend(new[agree:])
             self._dists.extend([None] * (len(new) - agree))
-            if agree < len(spec):
+            if agree < held:
                 # Everything sent past the divergence is stale on the server too.
                 self.sent_len = self.committed_len + agree
                 self._in_flight.clear()
