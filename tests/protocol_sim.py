@@ -32,14 +32,15 @@ def target_logits(tokens: list[int], start: int, drafts: tuple[int, ...]) -> np.
     return rows
 
 
-def task_logits(session: ServerSession, task: VerifyTask) -> tuple[np.ndarray, ...]:
-    """The fake target's rows for a task: its drafts', and if it has a branch, those after
-    each of the branch's tokens."""
+def task_logits(session: ServerSession, task: VerifyTask) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The fake target's rows for a task: its drafts', and per branch those after each of
+    the branch's tokens."""
     rows = target_logits(session.tokens, task.start, task.drafts)
-    if not task.branch:
-        return (rows,)
-    fork = (*task.drafts[: task.branch_at - task.start], *task.branch)
-    return rows, target_logits(session.tokens, task.start, fork)[len(fork) - len(task.branch) + 1 :]
+    aside = []
+    for branch in task.branches:
+        fork = (*task.drafts[: branch.at - task.start], *branch.tokens)
+        aside.append(target_logits(session.tokens, task.start, fork)[len(fork) - len(branch.tokens) + 1 :])
+    return rows, aside
 
 
 def draft_next(tokens: list[int], alpha: float, salt: int) -> int:

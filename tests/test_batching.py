@@ -73,9 +73,10 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
 
 
 def test_branches_in_a_batch_get_the_rows_of_their_tokens_fed_in_line(tiny) -> None:
-    """Sessions of a batch (different lengths) with a branch beside one of their drafts: each
-    gets, for its drafts and for its branch, the rows those tokens get fed in line on a fresh
-    cache; a cache that then takes up its branch goes on as if fed the branch all along."""
+    """Sessions of a batch (different lengths) with none, one or several branches beside their
+    drafts (two may stand at one position): each gets, for its drafts and for each branch,
+    the rows those tokens get fed in line on a fresh cache; a cache that then takes up one of
+    its branches goes on as if fed that branch all along."""
     engine = TargetEngine(load_model(str(tiny.target_dir)))
     rng = np.random.default_rng(3)
 
@@ -91,19 +92,21 @@ def test_branches_in_a_batch_get_the_rows_of_their_tokens_fed_in_line(tiny) -> N
         prefixes, states = [ids(int(rng.integers(1, 60))) for _ in range(b)], [KVState() for _ in range(b)]
         for _ in range(3):
             drafts = [ids(int(rng.integers(1, 7))) for _ in range(b)]
-            forks = [int(rng.integers(0, len(d))) for d in drafts]
-            branches = [ids(int(rng.integers(1, len(d) - f + 1))) for d, f in zip(drafts, forks)]
-            got = engine.verify_batch([VerifyItem(states[i], prefixes[i], drafts[i], branch_from=forks[i],
-                                                  branch=branches[i]) for i in range(b)])
+            branches = []
+            for d in drafts:
+                forks = sorted(int(f) for f in rng.integers(0, len(d), int(rng.integers(0, 4))))
+                branches.append([(f, ids(int(rng.integers(1, len(d) - f + 1)))) for f in forks])
+            got = engine.verify_batch([VerifyItem(states[i], prefixes[i], drafts[i], branches=branches[i])
+                                       for i in range(b)])
             for i in range(b):
-                rows = len(drafts[i]) + 1
-                line = in_line(prefixes[i], drafts[i][: forks[i]] + branches[i])[forks[i] + 1 :]
-                for g, w in ((got[i][:rows], in_line(prefixes[i], drafts[i])), (got[i][rows:], line)):
-                    assert g.shape == w.shape
-                    worst = max(worst, float(np.abs(g - w).max()))
-                if rng.integers(0, 2):
-                    states[i].take_branch()
-                    prefixes[i] = prefixes[i] + drafts[i][: forks[i]] + branches[i] + ids(1)
+                wants = [in_line(prefixes[i], drafts[i])]
+                wants += [in_line(prefixes[i], drafts[i][:f] + tokens)[f + 1 :] for f, tokens in branches[i]]
+                assert got[i].shape == np.concatenate(wants).shape
+                worst = max(worst, float(np.abs(got[i] - np.concatenate(wants)).max()))
+                if branches[i] and rng.integers(0, 2):
+                    fork, tokens = branches[i][int(rng.integers(0, len(branches[i])))]
+                    states[i].take_branch(branches[i].index((fork, tokens)))
+                    prefixes[i] = prefixes[i] + drafts[i][:fork] + tokens + ids(1)
                 else:
                     prefixes[i] = prefixes[i] + drafts[i][: int(rng.integers(0, len(drafts[i]) + 1))] + ids(1)
     assert worst < 1e-3, worst  # bitwise in bf16 on CPU; fp32 rounds by the pass's shape

@@ -11,7 +11,7 @@ from specsplit.protocol import errors
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, OpenRequest, SamplingParams, Verdict, VerificationMode
-from specsplit.protocol.server_session import MAX_BRANCHES, ServerSession
+from specsplit.protocol.server_session import MAX_BRANCHES, ServerSession, TaskBranch
 from protocol_sim import VOCAB, target_logits, target_next, task_logits
 from test_protocol_core import LIMITS, PROMPT, greedy_path, open_session, run_task
 
@@ -35,8 +35,8 @@ def test_a_branch_is_verified_in_the_same_pass_as_the_draft_it_stands_beside() -
     # The edge foresaw the rejection at position 4 and drafted on from the target's choice there.
     s.receive_draft(e.branch_chunk(4, [*right[1:4], wrong(right[4])]))
     task = s.next_task(6)
-    assert task.drafts == (right[0], wrong(right[1]), 7, 7, 7) and task.branch_at == 4
-    assert task.branch == (*right[1:4], wrong(right[4]))
+    assert task.drafts == (right[0], wrong(right[1]), 7, 7, 7)
+    assert task.branches == (TaskBranch(4, (*right[1:4], wrong(right[4]))),)
     (verdict,) = s.apply(task, *task_logits(s, task))
     # The draft at 4 is rejected for the branch's first token, the branch holds for two more
     # and the row after them gives the correction: five tokens from one pass.
@@ -44,6 +44,31 @@ def test_a_branch_is_verified_in_the_same_pass_as_the_draft_it_stands_beside() -
     assert s.branches_verified == s.branches_taken == 1 and s.candidates == [] and verdict.branch_tokens == 0
     assert e.apply_verdict(verdict) == 4
     assert e.tokens == [*PROMPT, *right[:5]] and e.branches_taken == 1 and e.branch is None
+
+
+@pytest.mark.parametrize("same_position", [False, True])
+def test_a_pass_verifies_every_branch_and_follows_the_one_the_target_takes(same_position) -> None:
+    """Two branches beside the drafts, at two positions or with two first tokens at one: the
+    pass feeds both, and verifies the one whose first token the target chooses where it
+    rejects a draft; the other is left."""
+    right = greedy_path(list(PROMPT), 6)
+    if same_position:  # the target rejects the draft at 3; one branch there is right, one wrong
+        drafts, taken, other = [wrong(right[0]), 7, 7, 7], (3, right[:3]), (3, [wrong(wrong(right[0])), 1])
+    else:  # it rejects at 5; the branch at 4 stands beside a draft it accepts
+        drafts, taken, other = [*right[:2], wrong(right[2]), 7, 7], (5, right[2:5]), (4, [wrong(right[1]), 2])
+    e = edge_with_drafts(drafts)
+    s = open_session()
+    s.receive_draft(e.next_chunk())
+    for at, tokens in (other, taken):  # the edge keeps one branch per position: the server, more
+        s.receive_draft(DraftChunk(at, tuple(tokens), HashedSequence(e.tokens).hash_before(at), branch=True))
+    task = s.next_task(6)
+    fed = [(b.at, list(b.tokens)) for b in task.branches]
+    assert sorted(fed) == fed and sorted(fed) == sorted([taken, other])
+    (verdict,) = s.apply(task, *task_logits(s, task))
+    assert s.branch_verified == fed.index(taken) and s.branches_verified == s.branches_taken == 1
+    # Up to the rejection, the branch's tokens and the row after them.
+    assert verdict.tokens == tuple(right[: taken[0] - len(PROMPT) + len(taken[1]) + 1])
+    assert s.candidates == []
 
 
 def test_a_branch_that_came_after_the_pass_began_becomes_the_candidates() -> None:
@@ -168,6 +193,9 @@ def test_branch_goes_where_a_rejection_is_likeliest_to_be_caught() -> None:
     # Draft 1 is unsure, but draft 0 is even less sure of itself than draft 1's runner-up counts.
     assert choose_branch([choice(0.95, 0.03), choice(0.5, 0.45), choice(0.9, 0.08)]) == 1  # 0.95 * 0.45
     assert choose_branch([choice(0.6, 0.38), choice(0.5, 0.45)]) == 0  # 0.38 beats 0.6 * 0.45
+    # A second branch goes to the next likeliest place; none where no other is worth one.
+    assert choose_branch([choice(0.6, 0.38), choice(0.5, 0.45)], taken=[0]) == 1
+    assert choose_branch([choice(0.6, 0.38), choice(0.9, 0.05)], taken=[0]) is None
     assert choose_branch([choice(0.99, 0.005)] * 4) is None  # nothing is worth a branch
     # Past the point where the line is likelier wrong than MIN_CHANCE allows, nothing counts.
     assert choose_branch([choice(0.2, 0.05), choice(0.2, 0.05), choice(0.1, 0.9)]) is None
@@ -204,7 +232,7 @@ def test_drafter_keeps_the_main_line_cache_while_drafting_a_branch(tiny) -> None
 
 @pytest.mark.parametrize("holes_kept", [16, 0])  # 0: every single-row step drops the padding
 def test_drafter_grows_line_and_branch_in_one_batched_run(tiny, monkeypatch, holes_kept) -> None:
-    """next_logits_pair: one run of two rows, each fed only its new token over its own cache
+    """next_logits_batch: one run of two rows, each fed only its new token over its own cache
     (the shorter one padded and masked), giving each line what it gets alone. (The tiny
     export is fp32, so to rounding; a quantized export's activations are quantized over both
     rows, which moves the logits a little: an int8 draft's argmax stayed over 40 steps.)
@@ -236,13 +264,13 @@ def test_drafter_grows_line_and_branch_in_one_batched_run(tiny, monkeypatch, hol
     drafter._session.run = recording_run
     for step in range(3):
         main, branch = [*main, 30 + step], [*branch, 40 + step]
-        got_main, got_branch = drafter.next_logits_pair(main, branch)
+        got_main, got_branch = drafter.next_logits_batch([main, branch])
         assert close(got_main, main) and close(got_branch, branch)
     assert [f["input_ids"].shape for f in fed] == [(2, 1)] * 3
     past = "past_key_values.0.key"
     assert all(fed[i][past] is outputs[i - 1][1] for i in (1, 2))  # no copy between batched steps
     main, branch = [*main, 33], [*branch, 43]
-    got_branch, got_main = drafter.next_logits_pair(branch, main)  # either order keeps the rows
+    got_branch, got_main = drafter.next_logits_batch([branch, main])  # either order keeps the rows
     assert fed[-1][past] is outputs[-2][1]
     assert close(got_main, main) and close(got_branch, branch)
     # The branch (row 1) was padded to the line's width: a single step, a rollback that cuts
@@ -255,6 +283,15 @@ def test_drafter_grows_line_and_branch_in_one_batched_run(tiny, monkeypatch, hol
     branch = [*branch[:5], 60]
     assert close(drafter.next_logits(branch), branch)
     main, branch = [*main, 70], [*branch, 71]
-    got_main, got_branch = drafter.next_logits_pair(main, branch)
+    got_main, got_branch = drafter.next_logits_batch([main, branch])
     assert fed[-1]["input_ids"].shape == (2, 1)
     assert close(got_main, main) and close(got_branch, branch)
+    # A second branch joins: three rows, padded together once, then fed as they are.
+    other = [*main[:3], 80]
+    drafter.next_logits(other)
+    for step in range(2):
+        main, branch, other = [*main, 90 + step], [*branch, 91 + step], [*other, 92 + step]
+        got = drafter.next_logits_batch([main, other, branch])
+        assert fed[-1]["input_ids"].shape == (3, 1)
+        assert all(close(g, line) for g, line in zip(got, (main, other, branch)))
+    assert fed[-1][past] is outputs[-2][1]

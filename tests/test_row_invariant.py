@@ -170,24 +170,25 @@ def _in_line(engine: TargetEngine, prompt: list[int], tokens: list[int]) -> list
 @torch.inference_mode()
 @pytest.mark.parametrize("beside", [False, True])
 def test_a_branch_scores_as_if_fed_in_place_of_the_drafts(beside) -> None:
-    """A pass that feeds drafts and, after them, a branch standing beside one of them: every
-    row is the bits the same tokens get fed in line, and after the cache takes up the
-    branch, the next pass's rows are too (alone, and beside a session of another length)."""
+    """A pass that feeds drafts and, after them, two branches standing beside two of them:
+    every row is the bits the same tokens get fed in line, and after the cache takes up the
+    second branch, the next pass's rows are too (alone, and beside a session of another length)."""
     model = _model()
     make_rows_invariant(model)
     engine = TargetEngine(LoadedModel(model, None, "test"))  # type: ignore[arg-type]
     rng = np.random.default_rng(2)
     prompt, other = ([int(t) for t in rng.integers(0, 512, n)] for n in (9, 17))
-    first, drafts, branch, after = ([int(t) for t in rng.integers(0, 512, n)] for n in (1, 5, 3, 2))
+    first, drafts, early, branch, after = ([int(t) for t in rng.integers(0, 512, n)] for n in (1, 9, 7, 3, 2))
     state = engine.new_state()
     engine.verify_batch([VerifyItem(state, prompt, [])])
     extra = [VerifyItem(engine.new_state(), other, [])] if beside else []
-    rows = engine.verify_batch([VerifyItem(state, prompt + first, drafts, branch_from=2, branch=branch), *extra])[0]
+    item = VerifyItem(state, prompt + first, drafts, branches=[(1, early), (2, branch)])
+    rows = engine.verify_batch([item, *extra])[0]
     main, aside = rows[: len(drafts) + 1], rows[len(drafts) + 1 :]
     assert all(np.array_equal(a, b) for a, b in zip(main, _in_line(engine, prompt + first, drafts), strict=True))
-    line = _in_line(engine, prompt + first, drafts[:2] + branch)
-    assert all(np.array_equal(a, b) for a, b in zip(aside, line[3:], strict=True))
-    state.take_branch()
+    line = [*_in_line(engine, prompt + first, drafts[:1] + early)[2:], *_in_line(engine, prompt + first, drafts[:2] + branch)[3:]]
+    assert all(np.array_equal(a, b) for a, b in zip(aside, line, strict=True))
+    state.take_branch(1)
     assert state.tokens == prompt + first + drafts[:2] + branch
     committed = prompt + first + drafts[:2] + branch
     rows = engine.verify_batch([VerifyItem(state, committed, after), *extra])[0]

@@ -12,7 +12,7 @@ its tokens in each pass.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,14 +40,15 @@ def draft_choice(logits: np.ndarray) -> DraftChoice:
     return DraftChoice(first, float(1.0 / z), second, float(np.exp(logits[second] - logits[first]) / z))
 
 
-def choose_branch(choices: Sequence[DraftChoice]) -> int | None:
-    """The index in `choices` (the drafts from the committed point on) to branch at; None if
-    no branch has a chance of at least MIN_CHANCE."""
+def choose_branch(choices: Sequence[DraftChoice], taken: Collection[int] = ()) -> int | None:
+    """The index in `choices` (the drafts from the committed point on), other than those
+    `taken` (branched at already), to branch at; None if no branch has a chance of at least
+    MIN_CHANCE."""
     alive = 1.0  # chance that every draft before this one is accepted
     best, best_chance = None, MIN_CHANCE
     for i, choice in enumerate(choices):
         chance = alive * choice.runner_up_prob
-        if chance >= best_chance:
+        if chance >= best_chance and i not in taken:
             best, best_chance = i, chance
         alive *= choice.prob
         if alive < MIN_CHANCE:

@@ -13,7 +13,7 @@ import os
 
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import MODES, ConnectOptions, EdgeConfig, StreamStalled, generate
-from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.messages import SamplingParams, VerificationMode
 
@@ -50,6 +50,7 @@ async def _generate(args: argparse.Namespace) -> int:
         adaptive_window=args.adaptive_window,
         k=args.k,
         branch_tokens=args.branch_tokens,
+        branches=args.branches,
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
         verification=VERIFICATION[args.verification] if args.verification else None,
@@ -125,11 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "ahead always")
     g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
     g.add_argument("--branch-tokens", type=int, default=EdgeConfig.branch_tokens,
-                   help="async, greedy: beside its drafts, draft a branch of up to this many tokens from the "
-                   f"drafter's runner-up where a rejection is likeliest (if that chance is at least {MIN_CHANCE}), "
-                   "in the "
-                   "same batched steps as the drafts; the server verifies it in the pass that verifies the draft "
-                   "beside it (default %(default)s; 0: no branches)")
+                   help="async, greedy: beside its drafts, draft branches of up to this many tokens from the "
+                   f"drafter's runner-up where rejections are likeliest (if that chance is at least {MIN_CHANCE}), "
+                   "in the same batched steps as the drafts; the server verifies a branch in the pass that "
+                   "verifies the draft beside it (default %(default)s; 0: no branches)")
+    g.add_argument("--branches", type=int, choices=range(MAX_BRANCHES + 1), default=EdgeConfig.branches,
+                   help="async, greedy: how many branches may be open beside the drafts at once "
+                   "(default %(default)s; 0: none)")
     g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")

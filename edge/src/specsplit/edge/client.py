@@ -3,8 +3,8 @@
 Three modes share one loop: `async` drafts ahead up to the lookahead window and never
 waits for verdicts; `sync` drafts k tokens, sends them, and waits for the verdict
 (the classic scheme, as a baseline); `none` sends no drafts (remote decoding, the
-autoregressive baseline). A greedy `async` edge also drafts a branch beside its line,
-from its runner-up where a rejection is likeliest (branching.py): the server verifies it
+autoregressive baseline). A greedy `async` edge also drafts branches beside its line,
+from its runner-up where rejections are likeliest (branching.py): the server verifies them
 in the same pass, so a rejection the edge foresaw costs no round trip. The drafter runs in
 a worker thread so verdicts are read and applied while it computes.
 """
@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
-from specsplit.edge.drafter import Drafter
+from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, Drafter
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.stats import GenerationStats
@@ -70,6 +70,7 @@ class EdgeConfig:
     adaptive_window: bool = True  # async: size the lookahead from the acceptance seen so far (lookahead.py)
     k: int = 4  # sync: drafts per round
     branch_tokens: int = 8  # async, greedy: the longest branch drafted beside the main line (0 or 1: none)
+    branches: int = 2  # async, greedy: how many branches may be open beside the main line at once
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
     verification: VerificationMode | None = None
@@ -84,6 +85,8 @@ class EdgeConfig:
             raise ValueError("window and k must be at least 1")
         if self.branch_tokens < 0:
             raise ValueError("branch_tokens must be 0 (no branches) or more")
+        if not 0 <= self.branches <= MAX_BRANCHES:
+            raise ValueError(f"branches must be 0 (none) to {MAX_BRANCHES}, the branches the drafter keeps caches for")
 
 
 @dataclass
@@ -250,7 +253,8 @@ class _Generation:
         # offer branch_beside(position, token, length) (the load test's simulated edge): None
         # where the draft is right, else the branch to send beside it, () for none.
         branching = (
-            not sync and pick is None and self.cfg.branch_tokens > 0 and self.proposer.mode is VerificationMode.GREEDY
+            not sync and pick is None and self.cfg.branch_tokens > 0 and self.cfg.branches > 0
+            and self.proposer.mode is VerificationMode.GREEDY
         )
         beside = (
             getattr(drafter, "branch_beside", None) if not sync and pick is not None and self.cfg.branch_tokens > 0
@@ -263,11 +267,11 @@ class _Generation:
                     await self._wait_change()
                     continue
                 awaiting = None
-            if branching and edge.branch is None:
-                self._open_branch()
-            branch_due = branching and self._branch_due()
-            if branch_due and (edge.room() <= 0 or not hasattr(drafter, "next_logits_pair")):
-                await self._extend_branch()
+            if branching:
+                self._open_branches()
+            due = [b for b in edge.branches if self._branch_due(b)] if branching else []
+            if due and (edge.room() <= 0 or not hasattr(drafter, "next_logits_batch")):
+                await self._extend_branch(due[0])
                 continue
             if edge.room() <= 0:
                 await self._wait_change()
@@ -283,13 +287,12 @@ class _Generation:
                 trajectory = list(edge.tokens)
                 tip = edge.tip
                 started = self._now()
-                if branch_due:
-                    # The line and its branch grow in one batched step (drafter.next_logits_pair).
-                    branch = edge.branch
-                    assert branch is not None
-                    logits, branch_logits = await loop.run_in_executor(
-                        self._pool, drafter.next_logits_pair, trajectory, [*trajectory[: branch[0]], *branch[1]])
-                    self._grow_branch(branch, branch_logits)
+                if due:
+                    # The line and its branches grow in one batched step (drafter.next_logits_batch).
+                    logits, *aside = await loop.run_in_executor(self._pool, drafter.next_logits_batch, [
+                        trajectory, *([*trajectory[:start], *tokens] for start, tokens in due)])
+                    for branch, branch_logits in zip(due, aside):
+                        self._grow_branch(branch, branch_logits)
                 else:
                     logits = await loop.run_in_executor(self._pool, drafter.next_logits, trajectory)
                 self._mark("draft", started, self._now(), len(trajectory))
@@ -325,7 +328,8 @@ class _Generation:
                 return
 
     def _branch_point(self) -> int | None:
-        """Where to branch now, among the sent drafts whose drafter view is known (branching.py)."""
+        """Where to branch now, among the sent drafts whose drafter view is known and that
+        have no branch yet (branching.py)."""
         edge = self.edge
         assert edge is not None
         start = edge.committed_len
@@ -335,16 +339,18 @@ class _Generation:
             if choice is None:
                 break
             choices.append(choice)
-        index = choose_branch(choices)
+        index = choose_branch(choices, taken=[p - start for p, _ in edge.branches])
         return None if index is None else start + index
 
-    def _open_branch(self) -> None:
-        """Start a branch at the branch point, if there is one, with the runner-up there
-        (which costs no drafting step), and send it. One branch at a time."""
+    def _open_branches(self) -> None:
+        """Start branches at the branch points, while fewer than --branches are open, each
+        with the runner-up there (which costs no drafting step), and send them."""
         edge = self.edge
         assert edge is not None
-        start = self._branch_point()
-        if start is not None:
+        while len(edge.branches) < self.cfg.branches:
+            start = self._branch_point()
+            if start is None:
+                return
             runner_up = self._choices[start, edge.tokens[start]].runner_up
             self._mark("send-branch", self._now(), start, 1)
             self._send(codec.draft_to_pb(edge.branch_chunk(start, (runner_up,))))
@@ -356,22 +362,19 @@ class _Generation:
         assert edge is not None
         return min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
 
-    def _branch_due(self) -> bool:
-        """Whether the next drafting step should grow the branch: while it is shorter than
-        the main line past its start (then both grow in one batched step), or whenever the
-        window leaves the main line no room."""
+    def _branch_due(self, branch: tuple[int, tuple[int, ...]]) -> bool:
+        """Whether the next drafting step should grow `branch`: while it is shorter than the
+        main line past its start (then they grow in one batched step), or whenever the window
+        leaves the main line no room."""
         edge = self.edge
         assert edge is not None
-        if edge.branch is None:
-            return False
-        start, tokens = edge.branch
+        start, tokens = branch
         return len(tokens) < self._branch_room(start) and (len(tokens) < len(edge.tokens) - start or edge.room() <= 0)
 
-    async def _extend_branch(self) -> None:
-        """Draft one more token of the branch alone."""
+    async def _extend_branch(self, branch: tuple[int, tuple[int, ...]]) -> None:
+        """Draft one more token of a branch alone."""
         edge, drafter = self.edge, self.drafter
-        assert edge is not None and drafter is not None and edge.branch is not None
-        branch = edge.branch
+        assert edge is not None and drafter is not None
         trajectory = [*edge.tokens[: branch[0]], *branch[1]]
         started = self._now()
         logits = await asyncio.get_running_loop().run_in_executor(self._pool, drafter.next_logits, trajectory)
@@ -384,7 +387,7 @@ class _Generation:
         edge = self.edge
         assert edge is not None
         start, tokens = branch
-        if edge.done is not None or edge.branch != branch:
+        if edge.done is not None or branch not in edge.branches:
             return
         choice = draft_choice(logits)
         self._choices[start + len(tokens), choice.token] = choice

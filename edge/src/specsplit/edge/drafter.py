@@ -1,14 +1,14 @@
 """The ONNX Runtime draft model with its KV cache; rollback slices the cache's axis 2.
 
-The drafter keeps a few caches, one per line it drafts along (the main line and a branch
-beside it), so that switching between them re-feeds nothing. They cost little: ONNX Runtime
-returns fresh arrays each step and a rollback is a view, so caches share what they share.
+The drafter keeps a few caches, one per line it drafts along (the main line and the
+branches beside it), so that switching between them re-feeds nothing. They cost little: ONNX
+Runtime returns fresh arrays each step and a rollback is a view, so caches share what they share.
 
-A line that grows beside another in batched steps keeps its keys where the batch put them:
-row 0 or 1 of the batch's arrays, with the columns the other, longer row needed masked out
-(`_Cache.mask`). The next batched step then feeds those arrays as they are, where splitting
-them after each step and padding them together again before the next copied both caches
-twice (31.9 against 30.6 ms a step here, int8 draft). A single-row step drops the padding
+A line that grows beside others in batched steps keeps its keys where the batch put them:
+its row of the batch's arrays, with the columns other, longer rows needed masked out
+(`_Cache.mask`). The next batched step of the same lines then feeds those arrays as they
+are, where splitting them after each step and padding them together again before the next
+copied every cache twice (31.9 against 30.6 ms a two-row step here, int8 draft). A single-row step drops the padding
 once it grows past HOLES_KEPT columns, so that a line that was a padded branch does not
 carry it through the rest of the generation.
 """
@@ -47,10 +47,13 @@ class _Cache:
 HOLES_KEPT = 16  # padding columns a line's cache may carry before a single-row step drops them
 
 
+BRANCHES = 2  # branches beside the main line that the drafter keeps a cache for
+
+
 class OnnxDrafter:
-    # The main line, one branch, and the old line a rollback of either forks off: with only
-    # two, a rollback of one line pushed the other's cache out, and it was fed again whole.
-    CACHES = 3
+    # The main line, its branches, and the old line a rollback of any forks off: with one
+    # fewer, a rollback of one line pushed another's cache out, and it was fed again whole.
+    CACHES = BRANCHES + 2
 
     def __init__(self, directory: Path, threads: int = 1) -> None:
         self.directory = Path(directory)
@@ -127,26 +130,30 @@ class OnnxDrafter:
         cache.last_logits = logits[0, -1].astype(np.float64)
         return cache.last_logits
 
-    def next_logits_pair(self, first: Sequence[int], second: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Logits after each of two trajectories (the main line and a branch beside it). When
-        each needs one new token over a cache of its own, both go through one run as a batch
-        of two rows, which costs about 1.15 one-row runs here (4-bit weights; 1.25 int8), since the weights are read once;
-        the shorter cache is padded, and the mask hides the padding."""
-        a, common = self._cache_for(first)
-        keep_a = self._cut_back(a, common, first)
-        b, common = self._cache_for(second)
-        keep_b = self._cut_back(b, common, second)
-        if a is b or keep_a != len(first) - 1 or keep_b != len(second) - 1:
-            return self.next_logits(first), self.next_logits(second)
-        if a.batch is not None and b.batch is not None and a.batch[0] is b.batch[0] and a.batch[1] != b.batch[1]:
-            # Both rows of the last batched step, uncut since: feed its arrays as they are.
-            pasts, rows = a.batch[0], (a.batch[1], b.batch[1])
+    def next_logits_batch(self, trajectories: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Logits after each of a few trajectories (the main line and branches beside it).
+        When each needs one new token over a cache of its own, all go through one run as a
+        batch, one row each, which costs far less than a run per row (two rows about 1.15
+        one-row runs here, 4-bit weights; 1.25 int8), since the weights are read once; the
+        shorter caches are padded, and the mask hides the padding."""
+        caches = []
+        for trajectory in trajectories:
+            cache, common = self._cache_for(trajectory)
+            caches.append((cache, self._cut_back(cache, common, trajectory)))
+        if len({id(c) for c, _ in caches}) < len(caches) or any(
+                keep != len(t) - 1 for (_, keep), t in zip(caches, trajectories)):
+            return [self.next_logits(t) for t in trajectories]
+        last = caches[0][0].batch
+        rows = [c.batch[1] if c.batch is not None and last is not None and c.batch[0] is last[0] else -1
+                for c, _ in caches]
+        if last is not None and sorted(rows) == list(range(last[0][0].shape[0])):
+            pasts = last[0]  # the rows of the last batched step, uncut since: feed its arrays as they are
         else:
-            pasts, rows = self._pad_together(a, b), (0, 1)
-        masks = np.zeros((2, pasts[0].shape[2] + 1), dtype=np.int64)
-        positions = np.zeros((2, 1), dtype=np.int64)
-        ids = np.zeros((2, 1), dtype=np.int64)
-        for cache, row, trajectory in ((a, rows[0], first), (b, rows[1], second)):
+            pasts, rows = self._pad_together([c for c, _ in caches]), list(range(len(caches)))
+        masks = np.zeros((len(caches), pasts[0].shape[2] + 1), dtype=np.int64)
+        positions = np.zeros((len(caches), 1), dtype=np.int64)
+        ids = np.zeros((len(caches), 1), dtype=np.int64)
+        for (cache, _), row, trajectory in zip(caches, rows, trajectories):
             masks[row, : cache.mask.size], masks[row, -1] = cache.mask, 1
             positions[row], ids[row] = len(trajectory) - 1, trajectory[-1]
         feed = {
@@ -156,20 +163,21 @@ class OnnxDrafter:
             **dict(zip(self._past_names, pasts)),
         }
         logits, *present = self._session.run(None, feed)
-        for cache, row, trajectory in ((a, rows[0], first), (b, rows[1], second)):
+        for (cache, _), row, trajectory in zip(caches, rows, trajectories):
             cache.past = [p[row : row + 1] for p in present]
             cache.mask, cache.batch = masks[row], (present, row)
             cache.tokens = list(trajectory)
             cache.last_logits = logits[row, -1].astype(np.float64)
-        return a.last_logits, b.last_logits  # type: ignore[return-value]
+        return [c.last_logits for c, _ in caches]  # type: ignore[misc]
 
     @staticmethod
-    def _pad_together(a: _Cache, b: _Cache) -> list[np.ndarray]:
-        """Two caches as one batch of two rows, the narrower padded at its end (to be masked)."""
-        width = max(a.mask.size, b.mask.size)
+    def _pad_together(caches: Sequence[_Cache]) -> list[np.ndarray]:
+        """Caches as one batch, a row each, the narrower padded at their end (to be masked)."""
+        width = max(c.mask.size for c in caches)
         pasts = []
-        for pa, pb in zip(a.past, b.past):
-            batch = np.zeros((2, pa.shape[1], width, pa.shape[3]), dtype=pa.dtype)
-            batch[0, :, : pa.shape[2]], batch[1, :, : pb.shape[2]] = pa[0], pb[0]
+        for layer in zip(*(c.past for c in caches)):
+            batch = np.zeros((len(caches), layer[0].shape[1], width, layer[0].shape[3]), dtype=layer[0].dtype)
+            for row, past in enumerate(layer):
+                batch[row, :, : past.shape[2]] = past[0]
             pasts.append(batch)
         return pasts

@@ -36,26 +36,28 @@ class KVState:
 
     kv: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
-    # After a pass that fed a branch: (its position, its tokens); its keys and values sit past the tokens'.
-    branch: tuple[int, tuple[int, ...]] | None = None
+    # After a pass that fed branches: (position, tokens) of each; their keys and values sit
+    # past the tokens', one branch after another.
+    branches: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
     def crop(self, length: int) -> None:
-        self.branch = None
+        self.branches = []
         if length == 0:
             self.kv = None
         elif self.kv is not None and length < self.kv.shape[3]:
             self.kv = self.kv[:, :, :, :length]
         del self.tokens[length:]
 
-    def take_branch(self) -> None:
-        """Make the branch of the last pass this cache's line: its keys and values follow
-        those of the drafts, and replace them from the branch's position on."""
-        assert self.kv is not None and self.branch is not None
-        at, tokens = self.branch
-        end = len(self.tokens)
-        self.kv = torch.cat((self.kv[:, :, :, :at], self.kv[:, :, :, end : end + len(tokens)]), dim=3)
+    def take_branch(self, index: int) -> None:
+        """Make branch `index` of the last pass this cache's line: its keys and values follow
+        those of the drafts (and of the branches before it), and replace them from the
+        branch's position on."""
+        assert self.kv is not None
+        at, tokens = self.branches[index]
+        begin = len(self.tokens) + sum(len(t) for _, t in self.branches[:index])
+        self.kv = torch.cat((self.kv[:, :, :, :at], self.kv[:, :, :, begin : begin + len(tokens)]), dim=3)
         self.tokens = [*self.tokens[:at], *tokens]
-        self.branch = None
+        self.branches = []
 
     def nbytes(self) -> int:
         """Memory held, including any part a crop cut off but did not free yet."""
@@ -70,22 +72,36 @@ class KVState:
 
 @dataclass
 class VerifyItem:
-    """One session's share of a pass. A `branch` stands beside drafts[branch_from]: it is fed
-    after the drafts, each of its tokens seeing the prefix, the drafts before it and the
-    branch up to itself, as if it had been fed in their place."""
+    """One session's share of a pass. Each of `branches`, (i, tokens), stands beside
+    drafts[i]: it is fed after the drafts (and the branches before it), each of its tokens
+    seeing the prefix, the drafts before i and the branch up to itself, as if it had been
+    fed in their place."""
 
     kv: KVState
     prefix: Sequence[int]  # the committed sequence
     drafts: Sequence[int]
     greedy: bool = False  # only the argmax of each row is needed
-    branch_from: int = 0
-    branch: Sequence[int] = ()
+    branches: Sequence[tuple[int, Sequence[int]]] = ()
+
+    @cached_property
+    def branch_tokens(self) -> int:
+        return sum(len(tokens) for _, tokens in self.branches)
 
     @cached_property
     def feed_length(self) -> int:
         """Tokens this item puts through the model (the part of it the cache lacks); read
         before the pass, while the cache is as the item found it."""
-        return len(self.prefix) + len(self.drafts) + len(self.branch) - self.kv.reusable(self.prefix)
+        return len(self.prefix) + len(self.drafts) + self.branch_tokens - self.kv.reusable(self.prefix)
+
+    def branch_spans(self, feed_length: int) -> list[tuple[int, int, int]]:
+        """Per branch, in a feed of `feed_length` tokens: where the draft it replaces sits,
+        and where the branch begins and ends."""
+        line_end = feed_length - self.branch_tokens
+        spans, begin = [], line_end
+        for fork, tokens in self.branches:
+            spans.append((line_end - len(self.drafts) + fork, begin, begin + len(tokens)))
+            begin += len(tokens)
+        return spans
 
 
 class Engine(Protocol):
@@ -137,17 +153,19 @@ class TargetEngine:
 
     @torch.inference_mode()
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]:
-        """Per item: its len(drafts) + 1 + len(branch) logit rows (float32), or their argmax
-        ids if greedy: the rows after the prefix, after each draft, after each branch token."""
+        """Per item: its len(drafts) + 1 + branch tokens logit rows (float32), or their argmax
+        ids if greedy: the rows after the prefix, after each draft, after each branch token
+        (branch by branch)."""
         seqs = [[*it.prefix, *it.drafts] for it in items]
         past = []
         for it in items:
             keep = it.kv.reusable(it.prefix)
             it.kv.crop(keep)
             past.append(keep)
-        feeds = [[*seq[keep:], *it.branch] for seq, keep, it in zip(seqs, past, items)]
+        feeds = [[*seq[keep:], *(t for _, tokens in it.branches for t in tokens)]
+                 for seq, keep, it in zip(seqs, past, items)]
         b, width, longest = len(items), max(past), max(len(f) for f in feeds)
-        wanted = [len(it.drafts) + 1 + len(it.branch) for it in items]
+        wanted = [len(it.drafts) + 1 + it.branch_tokens for it in items]
         # Only the positions whose logits someone needs go through the vocabulary projection
         # (most of a prompt's prefill cost on CPU). Row i's last real position is len(feed) - 1.
         keep = max(longest - len(f) + w for f, w in zip(feeds, wanted))
@@ -156,11 +174,10 @@ class TargetEngine:
         for i, (feed, p, it) in enumerate(zip(feeds, past, items)):
             ids[i, : len(feed)] = torch.tensor(feed)
             positions[i] = torch.arange(p, p + longest)
-            if it.branch:  # the branch takes the positions of the drafts it replaces
-                fork, at = _branch_span(it, feed)
-                positions[i, at : len(feed)] = torch.arange(p + fork, p + fork + len(it.branch))
+            for fork, begin, end in it.branch_spans(len(feed)):  # a branch takes the positions of the drafts it replaces
+                positions[i, begin:end] = torch.arange(p + fork, p + fork + end - begin)
         mask = None
-        if any(it.branch for it in items):
+        if any(it.branches for it in items):
             mask = self._tree_mask(items, feeds, past, width, longest).to(self.device)
         elif b > 1:  # left-padded caches, right-padded feeds: hide the padding
             mask = torch.zeros((b, width + longest), dtype=torch.long)
@@ -179,7 +196,7 @@ class TargetEngine:
             kv = new[:, :, i, :, width - p : width + len(feed)]
             # A copy when batched, so that a session's cache does not hold the whole batch's memory.
             it.kv.kv, it.kv.tokens = (kv.clone() if b > 1 else kv), seq
-            it.kv.branch = (len(it.prefix) + it.branch_from, tuple(it.branch)) if it.branch else None
+            it.kv.branches = [(len(it.prefix) + fork, tuple(tokens)) for fork, tokens in it.branches]
             if it.greedy:
                 results.append(greedy_ids[i, lo:hi])  # type: ignore[index]
             else:
@@ -190,7 +207,7 @@ class TargetEngine:
                    longest: int) -> torch.Tensor:
         """The additive attention mask [batch, 1, queries, keys] of a pass with branches: every
         query sees its row's cache and the new tokens up to itself, except that a branch's
-        tokens do not see the drafts from the one they replace on."""
+        tokens see neither the drafts from the one they replace on nor the branches before."""
         dtype = self.model.dtype
         visible = torch.zeros((len(items), longest, width + longest), dtype=torch.bool)
         causal = torch.ones((longest, longest), dtype=torch.bool).tril()
@@ -198,9 +215,8 @@ class TargetEngine:
             visible[i, :, width - p : width] = True
             visible[i, :, width:] = causal
             visible[i, :, width + len(feed) :] = False
-            if it.branch:
-                fork, at = _branch_span(it, feed)
-                visible[i, at : len(feed), width + fork : width + at] = False
+            for fork, begin, end in it.branch_spans(len(feed)):
+                visible[i, begin:end, width + fork : width + begin] = False
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[:, None]
 
@@ -219,12 +235,6 @@ class TargetEngine:
                 if p:
                     batch[:, :, i, :, width - p :] = s.kv
         return cache_from_tensors([(batch[layer, 0], batch[layer, 1]) for layer in range(layers)])
-
-
-def _branch_span(item: VerifyItem, feed: Sequence[int]) -> tuple[int, int]:
-    """Where, in the item's feed, the draft its branch replaces sits, and where the branch starts."""
-    at = len(feed) - len(item.branch)
-    return at - len(item.drafts) + item.branch_from, at
 
 
 def warm_up(engine: Engine, prompt_tokens: int = 32, drafts: int = 4) -> None:

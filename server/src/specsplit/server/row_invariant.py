@@ -59,7 +59,9 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     `attention_mask` is eager's additive mask [batch, 1, queries, keys]; a key no query of a
     row may see is left padding. Queries that may not see some key between the row's first
     and their last (a branch's tokens, which skip the drafts they replace) attend over just
-    the keys they see, gathered: the same keys, in the same places, as when fed in line."""
+    the keys they see, gathered: the same keys, in the same places, as when fed in line. (Of
+    several branches, each also skips those fed before it, which stay among the gathered keys
+    for the later ones, masked: they add exact zeros, and the rows keep their bits.)"""
     eager = sys.modules[type(module).__module__].eager_attention_forward
     if attention_mask is None:
         return eager(module, query, key, value, None, **kwargs)[0], None

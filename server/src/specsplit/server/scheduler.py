@@ -26,6 +26,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specsplit.common.acceptance import acceptance_estimate
 from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
@@ -218,29 +220,30 @@ class VerificationWorker:
         return batch, soonest
 
     def _share(self, h: SessionHandle, task: VerifyTask | None, tokens: list[int]) -> Share:
-        """The row a session's task puts into a pass, with the task's branch if the engine
+        """The row a session's task puts into a pass, with the task's branches if the engine
         verifies branches."""
         assert task is not None
         s = h.session
-        if task.branch and not self.engine.verifies_branches:
-            task = dataclasses.replace(task, branch=())  # it may still become the candidates after the pass
+        if task.branches and not self.engine.verifies_branches:
+            task = dataclasses.replace(task, branches=())  # they may still become the candidates after the pass
         # A copy of the prefix: drafts may arrive while the model runs.
         item = VerifyItem(h.kv, tokens[: task.start], task.drafts, greedy=s.mode is VerificationMode.GREEDY,
-                          branch_from=task.branch_at - task.start, branch=task.branch)
+                          branches=[(b.at - task.start, b.tokens) for b in task.branches])
         return Share(h, task, item)
 
     def _cut_to_width(self, batch: list[Share]) -> list[Share]:
         """Trim the sessions' drafts to the feed width that yields the most tokens per second
         for this batch (policy.choose_width): a few long feeds must not pad everyone."""
-        rows = [(sh.item.feed_length - len(sh.task.drafts) - len(sh.task.branch), len(sh.task.drafts),
+        rows = [(sh.item.feed_length - len(sh.task.drafts) - sh.item.branch_tokens, len(sh.task.drafts),
                  acceptance_estimate(sh.handle.session.drafts_accepted, sh.handle.session.rejections)) for sh in batch]
         width = choose_width(rows, lambda w: math.prod(self.engine.padded_shape(len(batch), w)), self.pass_costs)
         cut = []
         for sh, (floor, drafts, _) in zip(batch, rows):
             if sh.item.feed_length > width:
                 sh = self._share(sh.handle, sh.handle.session.next_task(width - floor), list(sh.item.prefix))
-            if sh.item.feed_length > width:  # the drafts fit, the branch beside them does not
-                sh = self._share(sh.handle, dataclasses.replace(sh.task, branch=()), list(sh.item.prefix))
+            while sh.task.branches and sh.item.feed_length > width:  # the drafts fit, the branches beside them do not
+                fewer = dataclasses.replace(sh.task, branches=sh.task.branches[:-1])
+                sh = self._share(sh.handle, fewer, list(sh.item.prefix))
             cut.append(sh)
         return cut
 
@@ -311,11 +314,10 @@ class VerificationWorker:
             handle.outbox.put_nowait(result)
             self.remove(s.session_id)
             return
-        verified = s.branches_verified
-        rows = len(task.drafts) + 1
-        events = s.apply(task, result[:rows], result[rows:] if task.branch else None)
-        if s.branches_verified > verified:
-            handle.kv.take_branch()  # the cache follows the committed line onto the branch
+        rows = np.cumsum([len(task.drafts) + 1, *(len(b.tokens) for b in task.branches)])
+        events = s.apply(task, result[: rows[0]], np.split(result[: rows[-1]], rows[:-1])[1:])
+        if s.branch_verified is not None:
+            handle.kv.take_branch(s.branch_verified)  # the cache follows the committed line onto the branch
             self.metrics.branches_verified.inc()
         for event in events:
             if isinstance(event, Verdict):

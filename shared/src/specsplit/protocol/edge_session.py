@@ -94,8 +94,13 @@ class EdgeSession:
         return chunk
 
     @property
+    def branches(self) -> list[tuple[int, tuple[int, ...]]]:
+        """The branches sent and still open, (position, tokens), earliest first."""
+        return sorted(self._branches.items())
+
+    @property
     def branch(self) -> tuple[int, tuple[int, ...]] | None:
-        """The earliest branch sent and still open: (position, tokens)."""
+        """The earliest branch sent and still open."""
         return min(self._branches.items()) if self._branches else None
 
     def branch_chunk(self, start: int, tokens: Sequence[int]) -> DraftChunk:

@@ -7,13 +7,13 @@ drafted on a trajectory the server has since contradicted drop out by themselves
 
 A branch chunk is an alternative the edge drafted for one of the candidates: the
 edge's runner-up there and the drafts that follow it. It waits beside the trajectory.
-A verification whose drafts reach a branch's position also feeds the branch, after the
-drafts in the same row, each branch token seeing what it would see fed in place of the
-drafts from there; if the target rejects the candidate there in favour of the branch's
-first token, the branch's further tokens are checked against their rows at once. Either
-way, once a verdict commits the branch's first token at its position, the rest of the
-branch becomes the candidates, so the next verification need not wait a round trip for
-the edge to draft on from the correction.
+A verification whose drafts reach a branch's position also feeds the branch (every
+branch whose position they reach), after the drafts in the same row, each branch token
+seeing what it would see fed in place of the drafts from there; if the target rejects the
+candidate there in favour of the branch's first token, the branch's further tokens are
+checked against their rows at once. Either way, once a verdict commits the branch's first
+token at its position, the rest of the branch becomes the candidates, so the next
+verification need not wait a round trip for the edge to draft on from the correction.
 """
 from __future__ import annotations
 
@@ -43,17 +43,28 @@ MAX_BRANCHES = 8  # branches a session keeps aside; a newer one pushes out the o
 
 
 @dataclass(frozen=True)
+class TaskBranch:
+    """An edge's alternative from position `at` (inside a task's drafts) on."""
+
+    at: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class VerifyTask:
     """Verify `drafts` at positions start.. ; with no drafts, an autoregressive step.
 
-    With a `branch` (the edge's alternative from position `branch_at`, inside the drafts),
-    the pass also scores the branch's tokens as if fed in place of the drafts from there."""
+    With `branches`, the pass also scores each branch's tokens as if fed in place of the
+    drafts from its position on."""
 
     start: int
     drafts: tuple[int, ...]
     dists: tuple[SparseDist, ...] = ()
-    branch_at: int = 0
-    branch: tuple[int, ...] = ()
+    branches: tuple[TaskBranch, ...] = ()
+
+    @property
+    def branch_tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.branches)
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -86,6 +97,7 @@ class ServerSession:
         self._branches: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
         self.branches_taken = 0  # verdicts that moved the candidates onto a branch
         self.branches_verified = 0  # of those, the ones whose branch the same pass verified
+        self.branch_verified: int | None = None  # index in the last applied task's branches, if verified
         if request.committed_ids:
             # A resumed generation may already have ended before the reconnect.
             _, reason = self._termination([request.committed_ids[-1]], already_committed=True)
@@ -274,7 +286,7 @@ class ServerSession:
 
     def next_task(self, max_drafts: int) -> VerifyTask | None:
         """The next verification: up to max_drafts candidates, or an AR step if none; with
-        the earliest branch that stands beside one of them."""
+        the branches that stand beside them."""
         if self.done is not None:
             return None
         remaining_new = self.max_new - (self.committed_len - self.prompt_len)
@@ -283,12 +295,13 @@ class ServerSession:
         start = self.committed_len
         dists = tuple(self._dists[:n]) if self.mode is VerificationMode.SPARSE_Q else ()
         drafts = tuple(self._seq.tokens[start : start + n])
-        for (position, _), (parent, tokens) in sorted(self._branches.items()):
-            if start <= position < start + n and parent == self._seq.hash_before(position):
-                # No longer than the drafts it would replace: the pass feeds both.
-                branch = tokens[: start + n - position]
-                return VerifyTask(start, drafts, dists, position, branch)  # type: ignore[arg-type]
-        return VerifyTask(start, drafts, dists)  # type: ignore[arg-type]
+        branches = tuple(
+            # No longer than the drafts it would replace: the pass feeds both.
+            TaskBranch(position, tokens[: start + n - position])
+            for (position, _), (parent, tokens) in sorted(self._branches.items())
+            if start <= position < start + n and parent == self._seq.hash_before(position)
+        )
+        return VerifyTask(start, drafts, dists, branches)  # type: ignore[arg-type]
 
     def _termination(self, new: Sequence[int], already_committed: bool = False) -> tuple[int, DoneReason | None]:
         """How many of the new tokens to commit, and why the session ends, if it does."""
@@ -306,9 +319,10 @@ class ServerSession:
         return len(new), None
 
     def apply(self, task: VerifyTask, logits: np.ndarray,
-              branch_logits: np.ndarray | None = None) -> list[Verdict | Done]:
-        """Commit the outcome of verifying `task` with the target's logits for it and, for a
-        task with a branch, its rows after each of the branch's tokens."""
+              branch_logits: Sequence[np.ndarray] = ()) -> list[Verdict | Done]:
+        """Commit the outcome of verifying `task` with the target's logits for it and, if the
+        pass fed the task's branches, per branch its rows after each of its tokens."""
+        self.branch_verified = None
         if self.done is not None:
             return []
         if task.start != self.committed_len:
@@ -318,15 +332,18 @@ class ServerSession:
         new = [*task.drafts[: outcome.accepted], outcome.token]
         drafted = [True] * outcome.accepted + [False]  # which new tokens are accepted drafts
         offered = len(task.drafts)
-        fork = task.branch_at - task.start
-        if task.branch and branch_logits is not None and outcome.accepted == fork and outcome.token == task.branch[0]:
-            # The target chose the branch's first token: the rows after the branch's tokens are
-            # the target's view of the positions that follow, as a later pass would compute them.
-            more = verify(branch_logits, task.branch[1:], task.branch_at + 1, sampling, self.mode)
-            new += [*task.branch[1 : 1 + more.accepted], more.token]
-            drafted += [True] * more.accepted + [False]
-            offered += len(task.branch) - 1
-            self.branches_verified += 1
+        for i, (branch, rows) in enumerate(zip(task.branches, branch_logits)):
+            if branch.at == task.start + outcome.accepted and branch.tokens[0] == outcome.token:
+                # The target chose the branch's first token: the rows after the branch's tokens
+                # are the target's view of the positions that follow, as a later pass would
+                # compute them. (Branches differ in position or first token: one matches at most.)
+                more = verify(rows, branch.tokens[1:], branch.at + 1, sampling, self.mode)
+                new += [*branch.tokens[1 : 1 + more.accepted], more.token]
+                drafted += [True] * more.accepted + [False]
+                offered += len(branch.tokens) - 1
+                self.branches_verified += 1
+                self.branch_verified = i
+                break
         cut, reason = self._termination(new)
         new = new[:cut]
         accepted = sum(drafted[:cut])
