@@ -152,6 +152,47 @@ def test_keys_a_query_skips_do_not_change_it() -> None:
     assert not all(_alone_and_with_a_hole(eager_attention_forward))
 
 
+def _union_of_keys(module, query, key, value, mask, **kwargs):  # type: ignore[no-untyped-def]
+    """The control: every query of the row over the keys any of them sees, gathered, the
+    ones a query skips masked (what row_invariant_attention did before a row held two branches)."""
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    seen = (mask[0, 0] > torch.finfo(mask.dtype).min).any(dim=0).nonzero()[:, 0]
+    return eager_attention_forward(module, query, key[:, :, seen], value[:, :, seen], mask[..., seen], **kwargs)
+
+
+def _two_branches_alone_and_together(attention) -> list[bool]:  # type: ignore[no-untyped-def]
+    layer = _model().model.layers[0].self_attn
+    same = []
+    for q, k, v, n in _padded_cases():
+        # The last token of each of two branches, fed after the line's keys: the first stands
+        # beside the draft at fork[0], the second beside the one at fork[1].
+        length, sizes, forks = k.shape[2], (n % 4 + 1, 2), (k.shape[2] // 3, k.shape[2] // 2)
+        branch_k, branch_v = ([torch.randn(1, 2, size, 128, dtype=torch.bfloat16) for size in sizes] for _ in range(2))
+        queries = torch.cat([q, torch.randn_like(q)], 2)
+        mask = torch.full((1, 1, 2, length + sum(sizes)), torch.finfo(torch.bfloat16).min, dtype=torch.bfloat16)
+        begin = length
+        for i, (size, fork) in enumerate(zip(sizes, forks)):
+            mask[0, 0, i, :fork] = mask[0, 0, i, begin : begin + size] = 0
+            begin += size
+        together = attention(layer, queries, torch.cat([k, *branch_k], 2), torch.cat([v, *branch_v], 2), mask,
+                             scaling=128**-0.5)[0]
+        for i, fork in enumerate(forks):
+            alone = row_invariant_attention(layer, queries[:, :, i : i + 1], torch.cat([k[:, :, :fork], branch_k[i]], 2),
+                                            torch.cat([v[:, :, :fork], branch_v[i]], 2), None, scaling=128**-0.5)[0]
+            same.append(torch.equal(together[:, i : i + 1], alone))
+    return same
+
+
+@torch.inference_mode()
+def test_a_branch_is_not_changed_by_another_fed_before_it() -> None:
+    """Two branches in one row: the later one's tokens skip the earlier one's keys as well as
+    the drafts from its own position on. Over the keys either sees, gathered, the later one's
+    keys shift lanes in some case (the control); row_invariant_attention gathers per branch."""
+    assert all(_two_branches_alone_and_together(row_invariant_attention))
+    assert not all(_two_branches_alone_and_together(_union_of_keys))
+
+
 def test_loading_bf16_on_cpu_makes_rows_invariant(tiny) -> None:
     """The server loads through load_model: bf16 on CPU must come out row-invariant, fp32 untouched."""
     bf16 = load_model(str(tiny.target_dir), dtype="bf16").model

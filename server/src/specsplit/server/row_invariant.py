@@ -58,10 +58,9 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
 
     `attention_mask` is eager's additive mask [batch, 1, queries, keys]; a key no query of a
     row may see is left padding. Queries that may not see some key between the row's first
-    and their last (a branch's tokens, which skip the drafts they replace) attend over just
-    the keys they see, gathered: the same keys, in the same places, as when fed in line. (Of
-    several branches, each also skips those fed before it, which stay among the gathered keys
-    for the later ones, masked: they add exact zeros, and the rows keep their bits.)"""
+    and their last (a branch's tokens, which skip the drafts they replace and any branches
+    fed before theirs) attend over just the keys they see, gathered, branch by branch: the
+    same keys, in the same places, as when fed in line."""
     eager = sys.modules[type(module).__module__].eager_attention_forward
     if attention_mask is None:
         return eager(module, query, key, value, None, **kwargs)[0], None
@@ -85,8 +84,15 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
         out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
         inline, aside = (~holes[b]).nonzero()[:, 0], holes[b].nonzero()[:, 0]
         out[:, inline] = part(inline, slice(first, None))
-        # The keys any of them sees, in order; each sees a run of them from the first.
-        out[:, aside] = part(aside, allowed[b, aside].any(dim=0).nonzero()[:, 0])
+        # A branch's tokens skip one run of keys, which ends where the branch begins: that
+        # end tells branches apart.
+        keys = torch.arange(allowed.shape[2])
+        skipped = ~allowed[b, aside] & (keys >= first) & (keys < last[b, aside, None])
+        ends = (skipped * keys).amax(dim=1)
+        for end in ends.unique().tolist():
+            group = aside[ends == end]
+            # The keys any of them sees, in order; each sees a run of them from the first.
+            out[:, group] = part(group, allowed[b, group].any(dim=0).nonzero()[:, 0])
         rows.append(out)
     return torch.cat(rows), None
 
