@@ -6,7 +6,7 @@ target, and replays `none`, `sync` at each k and `async` (replay_model.py) under
 times measured by bench/gpu_passes.py and the run's own network delay and draft speed.
 Beside what the run measured (decoding only: its first token, the prefill, left out) the
 report gives the model's figure and what-ifs: every pass at the cost of one token's pass,
-half the draft's misses fixed, and a draft that always agrees. Writes bench/results/<name>.json and a Markdown table.
+no network delay, half the draft's misses fixed, and a draft that always agrees. Writes bench/results/<name>.json and a Markdown table.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class Scenario:
     title: str
     agreement: Callable[[Sequence[bool]], Sequence[bool]] = lambda a: a
     costs: Callable[[rm.PassCosts], rm.PassCosts] = lambda c: c
+    link: Callable[[rm.Link], rm.Link] = lambda link: link
 
 
 def _fix_half(agree: Sequence[bool]) -> list[bool]:
@@ -45,6 +46,7 @@ def _fix_half(agree: Sequence[bool]) -> list[bool]:
 SCENARIOS = [
     Scenario("model", "the model, as measured"),
     Scenario("flat_passes", "every pass at a one-token pass's cost", costs=lambda c: c.flat()),
+    Scenario("no_delay", "no network delay", link=lambda link: rm.Link(link.draft_ms, 0.0)),
     Scenario("half_the_misses_fixed", "every second disagreement made an agreement", agreement=_fix_half),
     Scenario("draft_always_right", "a draft that always agrees", agreement=lambda a: [True] * len(a)),
 ]
@@ -95,7 +97,7 @@ def model_speedups(agreements: dict[str, list[bool]], costs: rm.PassCosts, link:
     for scenario in SCENARIOS:
         per_mode: dict[str, list[tuple[float, float]]] = {}
         for agree in agreements.values():
-            decoded = replay(scenario.agreement(agree), scenario.costs(costs), link, sync_k)
+            decoded = replay(scenario.agreement(agree), scenario.costs(costs), scenario.link(link), sync_k)
             base = decoded["none"].tokens_per_s
             for mode, d in decoded.items():
                 per_mode.setdefault(mode, []).append((d.tokens_per_s / base, d.server_idle_ms / d.ms))

@@ -128,4 +128,6 @@ def test_the_replay_report_end_to_end_with_a_real_onnx_draft(tiny, tmp_path: Pat
     assert set(result["scenarios"]["model"]) == {"none", "sync-4", "async"}
     assert result["scenarios"]["model"] == result["scenarios"]["draft_always_right"]
     assert result["scenarios"]["model"]["async"]["speedup"] > 1.0
+    # Without the link's delay a sync round no longer waits for it.
+    assert result["scenarios"]["no_delay"]["sync-4"]["speedup"] > result["scenarios"]["model"]["sync-4"]["speedup"]
     assert "| sync-4 | 2.00x |" in (tmp_path / "r.md").read_text()
