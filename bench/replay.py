@@ -6,7 +6,8 @@ target, and replays `none`, `sync` at each k and `async` (replay_model.py) under
 times measured by bench/gpu_passes.py and the run's own network delay and draft speed.
 Beside what the run measured (decoding only: its first token, the prefill, left out) the
 report gives the model's figure and what-ifs: every pass at the cost of one token's pass,
-no network delay, half the draft's misses fixed, and a draft that always agrees. Writes bench/results/<name>.json and a Markdown table.
+no network delay, half the draft's misses fixed, and a draft that always agrees. Writes
+bench/results/<name>.json and a Markdown table.
 """
 from __future__ import annotations
 

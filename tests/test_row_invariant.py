@@ -178,8 +178,8 @@ def _two_branches_alone_and_together(attention) -> list[bool]:  # type: ignore[n
         together = attention(layer, queries, torch.cat([k, *branch_k], 2), torch.cat([v, *branch_v], 2), mask,
                              scaling=128**-0.5)[0]
         for i, fork in enumerate(forks):
-            alone = row_invariant_attention(layer, queries[:, :, i : i + 1], torch.cat([k[:, :, :fork], branch_k[i]], 2),
-                                            torch.cat([v[:, :, :fork], branch_v[i]], 2), None, scaling=128**-0.5)[0]
+            keys, values = torch.cat([k[:, :, :fork], branch_k[i]], 2), torch.cat([v[:, :, :fork], branch_v[i]], 2)
+            alone = row_invariant_attention(layer, queries[:, :, i : i + 1], keys, values, None, scaling=128**-0.5)[0]
             same.append(torch.equal(together[:, i : i + 1], alone))
     return same
 
@@ -227,7 +227,8 @@ def test_a_branch_scores_as_if_fed_in_place_of_the_drafts(beside) -> None:
     rows = engine.verify_batch([item, *extra])[0]
     main, aside = rows[: len(drafts) + 1], rows[len(drafts) + 1 :]
     assert all(np.array_equal(a, b) for a, b in zip(main, _in_line(engine, prompt + first, drafts), strict=True))
-    line = [*_in_line(engine, prompt + first, drafts[:1] + early)[2:], *_in_line(engine, prompt + first, drafts[:2] + branch)[3:]]
+    line = [*_in_line(engine, prompt + first, drafts[:1] + early)[2:],
+            *_in_line(engine, prompt + first, drafts[:2] + branch)[3:]]
     assert all(np.array_equal(a, b) for a, b in zip(aside, line, strict=True))
     state.take_branch(1)
     assert state.tokens == prompt + first + drafts[:2] + branch

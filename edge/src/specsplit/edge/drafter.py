@@ -8,9 +8,9 @@ A line that grows beside others in batched steps keeps its keys where the batch 
 its row of the batch's arrays, with the columns other, longer rows needed masked out
 (`_Cache.mask`). The next batched step of the same lines then feeds those arrays as they
 are, where splitting them after each step and padding them together again before the next
-copied every cache twice (31.9 against 30.6 ms a two-row step here, int8 draft). A single-row step drops the padding
-once it grows past HOLES_KEPT columns, so that a line that was a padded branch does not
-carry it through the rest of the generation.
+copied every cache twice (31.9 against 30.6 ms a two-row step here, int8 draft). A
+single-row step drops the padding once it grows past HOLES_KEPT columns, so that a line
+that was a padded branch does not carry it through the rest of the generation.
 """
 from __future__ import annotations
 

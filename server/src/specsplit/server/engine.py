@@ -174,7 +174,8 @@ class TargetEngine:
         for i, (feed, p, it) in enumerate(zip(feeds, past, items)):
             ids[i, : len(feed)] = torch.tensor(feed)
             positions[i] = torch.arange(p, p + longest)
-            for fork, begin, end in it.branch_spans(len(feed)):  # a branch takes the positions of the drafts it replaces
+            # A branch takes the positions of the drafts it replaces.
+            for fork, begin, end in it.branch_spans(len(feed)):
                 positions[i, begin:end] = torch.arange(p + fork, p + fork + end - begin)
         mask = None
         if any(it.branches for it in items):

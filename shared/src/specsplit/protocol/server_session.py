@@ -62,10 +62,6 @@ class VerifyTask:
     dists: tuple[SparseDist, ...] = ()
     branches: tuple[TaskBranch, ...] = ()
 
-    @property
-    def branch_tokens(self) -> int:
-        return sum(len(b.tokens) for b in self.branches)
-
 
 def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
     for t in ids:
