@@ -152,6 +152,26 @@ def test_round_robin_under_a_session_cap_starves_no_one() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("pace, behind, sits_out", [
+    (20.0, 10.0, {"s1"}),  # s0 is behind: s1, well ahead, sits out; s2 (within the margin) and s3 (new) stay
+    (20.0, 30.0, set()),  # nobody is behind: nobody waits
+    (0.0, 10.0, set()),  # no pacing
+])
+def test_sessions_ahead_of_the_pace_sit_out_while_one_is_behind(pace, behind, sits_out) -> None:
+    async def main() -> None:
+        worker, ids = _ready_worker([3] * 4, SchedulerConfig(pace_tokens_per_s=pace))
+        now = time.monotonic()
+        for sid, rate in zip(ids, (behind, 40.0, 21.0)):  # s3 is younger than the pace's window
+            h = worker.sessions[sid]
+            h.commits.clear()
+            h.commits.append((now - 3.0, h.session.committed_len - rate * 3.0))
+        picked = {sh.handle.session.session_id for sh in worker._pick()[0]}
+        assert picked == set(ids) - sits_out
+        assert worker.metrics.sessions_paced._value.get() == len(sits_out)
+
+    asyncio.run(main())
+
+
 def test_a_long_prefill_runs_alone_and_is_not_passed_over() -> None:
     async def main() -> None:
         worker, _ = _ready_worker([2, 2, 100, 2], SchedulerConfig(max_batch_tokens=64))

@@ -77,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         idle_wait_s=args.idle_wait_ms / 1000,
         max_wait_s=args.max_wait_ms / 1000,
         stalled_edge_s=args.stalled_edge_timeout,
+        pace_tokens_per_s=args.pace_tokens_per_s,
     )
     from specsplit.server.auth import TLSConfig
 
@@ -225,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
         "expected tokens per second from the session's acceptance and measured pass times)",
     )
     s.add_argument("--max-batch-sessions", type=int, default=32, help="most sessions one target pass verifies")
+    s.add_argument("--pace-tokens-per-s", type=float, default=0.0,
+                   help="the tokens/s each session should get (an SLO): when a session ready for a pass has "
+                   "committed slower than this over the last 2 s, the ready sessions more than 10%% faster sit that "
+                   "pass out, so that a smaller pass comes round sooner for those behind (default 0: no pacing)")
     s.add_argument(
         "--max-batch-tokens",
         type=int,

@@ -18,6 +18,9 @@ class ServerMetrics:
             "specsplit_branches_verified", "Edge branches verified in the same pass as the draft they replaced",
             registry=r,
         )
+        self.sessions_paced = Counter(
+            "specsplit_sessions_paced", "Places in a pass that sessions ahead of --pace-tokens-per-s gave up", registry=r
+        )
         self.verify_seconds = Histogram(
             "specsplit_verification_seconds", "Target pass time per verification", registry=r,
             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),

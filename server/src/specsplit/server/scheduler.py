@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 IDLE_POLICIES = ("adaptive", "ar", "wait")
 DEFAULT_DRAFT_RATE = 10.0  # drafts per second an edge is assumed to send before it is measured
+PACE_WINDOW_S = 2.0  # a session's pace is what it committed over this long
+PACE_MARGIN = 0.1  # ahead of the pace by more than this share, a session may sit a pass out
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,17 @@ class SchedulerConfig:
     # session and KV cache are freed.
     stalled_edge_s: float = 30.0
     outbox_size: int = 64
+    # Tokens/s each session should get (an SLO; 0: no pacing). While some session with a full
+    # window of history commits slower than this, those ahead of it sit passes out (_pace).
+    pace_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_batch_sessions < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_batch_sessions and max_batch_tokens must be at least 1")
         if self.idle_policy not in IDLE_POLICIES:
             raise ValueError(f"idle policy must be one of {IDLE_POLICIES}, got {self.idle_policy!r}")
+        if self.pace_tokens_per_s < 0:
+            raise ValueError("pace_tokens_per_s must be 0 (no pacing) or more")
 
 
 @dataclass
@@ -77,6 +84,19 @@ class SessionHandle:
     arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
     explorer: Explorer = field(default_factory=Explorer)  # verifies drafts now and then when the policy declines them
     sending: bool = True  # False once the edge has half-closed: no drafts will come, so nothing waits for them
+    commits: deque = field(default_factory=deque)  # (time, committed length) after each verdict, for the pace
+
+    def __post_init__(self) -> None:
+        self.commits.append((time.monotonic(), self.session.committed_len))
+
+    def pace(self, now: float) -> float | None:
+        """Tokens/s committed over the last PACE_WINDOW_S; None for a session younger than that."""
+        while len(self.commits) > 1 and self.commits[1][0] <= now - PACE_WINDOW_S:
+            self.commits.popleft()
+        since, committed = self.commits[0]
+        if since > now - PACE_WINDOW_S:
+            return None
+        return (self.session.committed_len - committed) / (now - since)
 
     def draft_rate(self, now: float) -> float:
         """Drafts per second lately received from the edge."""
@@ -196,6 +216,8 @@ class VerificationWorker:
             else:
                 soonest = at if soonest is None else min(soonest, at)
         cfg = self.config
+        if cfg.pace_tokens_per_s and len(ready) > 1:
+            ready = self._pace(ready, now)
         share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
         batch: list[Share] = []
         longest = 0
@@ -218,6 +240,21 @@ class VerificationWorker:
             chosen = set(taken)
             self._order = deque([*(sid for sid in self._order if sid not in chosen), *taken])
         return batch, soonest
+
+    def _pace(self, ready: list[SessionHandle], now: float) -> list[SessionHandle]:
+        """SLO-aware batching: when a ready session has committed slower than the pace, the
+        ready sessions ahead of it (by more than PACE_MARGIN) sit this pass out. The pass is
+        smaller, so it comes round sooner for those behind: a session whose luck with its
+        drafts was poor (more rejections, fewer tokens a pass) catches up at the expense of ones
+        comfortably ahead. Only ready sessions count as behind, ones the server can help now;
+        nobody is held back while nobody is, so an idle server stays work-conserving."""
+        pace = self.config.pace_tokens_per_s
+        rates = [h.pace(now) for h in ready]
+        if not any(r is not None and r < pace for r in rates):
+            return ready
+        kept = [h for h, r in zip(ready, rates) if r is None or r <= pace * (1 + PACE_MARGIN)]
+        self.metrics.sessions_paced.inc(len(ready) - len(kept))
+        return kept
 
     def _share(self, h: SessionHandle, task: VerifyTask | None, tokens: list[int]) -> Share:
         """The row a session's task puts into a pass, with the task's branches if the engine
@@ -316,6 +353,7 @@ class VerificationWorker:
             return
         rows = np.cumsum([len(task.drafts) + 1, *(len(b.tokens) for b in task.branches)])
         events = s.apply(task, result[: rows[0]], np.split(result[: rows[-1]], rows[:-1])[1:])
+        handle.commits.append((time.monotonic(), s.committed_len))
         if s.branch_verified is not None:
             handle.kv.take_branch(s.branch_verified)  # the cache follows the committed line onto the branch
             self.metrics.branches_verified.inc()
