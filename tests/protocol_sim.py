@@ -116,21 +116,23 @@ class Network:
         if self.edge.room() > 0:
             self.edge.push_draft(draft_next(self.edge.tokens, self.alpha, self.salt))
 
-    def branch(self, offset: int, length: int, right: bool) -> None:
-        """Send a branch (one at a time, as the client drafts them): if `right`, beside the
+    def branch(self, offset: int, length: int, right: bool, another: bool = False) -> None:
+        """Send a branch (at most two open, as the client drafts them): if `right`, beside the
         first draft the target will reject, from the target's choice there (a branch the
         server can verify with that draft); else beside the draft `offset` past the committed
-        point, from a token the target may not want. With a branch open, send it longer."""
+        point, from a token the target may not want. With a branch open, send the earliest
+        longer, unless `another` opens a second one."""
         tokens = self.edge.tokens
-        if self.edge.branch is not None:
-            start, branch = self.edge.branch[0], list(self.edge.branch[1])
+        branches = self.edge.branches
+        if branches and not (another and len(branches) < 2):
+            start, branch = branches[0][0], list(branches[0][1])
         else:
             start = self.edge.committed_len + offset
             if right:
                 start = self.edge.committed_len
                 while start < len(tokens) and tokens[start] == target_next(tokens[:start]):
                     start += 1
-            if start >= self.edge.sent_len:
+            if start >= self.edge.sent_len or any(start == at for at, _ in branches):
                 return
             first = target_next(tokens[:start]) if right else (tokens[start] + 1 + offset) % VOCAB
             if first == tokens[start]:

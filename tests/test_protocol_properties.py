@@ -31,7 +31,7 @@ def test_committed_tokens_equal_target_greedy(prompt, max_new, window, alpha, sa
             net.send(data.draw(st.integers(1, 5), label="chunk"))
         elif action == "branch":
             net.branch(data.draw(st.integers(0, 7), label="offset"), data.draw(st.integers(1, 5), label="length"),
-                       data.draw(st.booleans(), label="right"))
+                       data.draw(st.booleans(), label="right"), data.draw(st.booleans(), label="another"))
         elif action == "up":
             net.deliver_up()
         elif action == "down":
