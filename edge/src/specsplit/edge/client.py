@@ -70,7 +70,9 @@ class EdgeConfig:
     adaptive_window: bool = True  # async: size the lookahead from the acceptance seen so far (lookahead.py)
     k: int = 4  # sync: drafts per round
     branch_tokens: int = 8  # async, greedy: the longest branch drafted beside the main line (0 or 1: none)
-    branches: int = 2  # async, greedy: how many branches may be open beside the main line at once
+    # async, greedy: how many branches may be open beside the main line at once. Two ran 1.012x
+    # and 0.988x one in two side-by-side runs (docs/benchmarks.md): no gain for the edge's extra work.
+    branches: int = 1
     max_new_tokens: int = 128
     sampling: SamplingParams = SamplingParams()
     verification: VerificationMode | None = None
