@@ -86,9 +86,9 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
         out[:, inline] = part(inline, slice(first, None))
         # A branch's tokens skip one run of keys, which ends where the branch begins: that
         # end tells branches apart.
-        keys = torch.arange(allowed.shape[2])
-        skipped = ~allowed[b, aside] & (keys >= first) & (keys < last[b, aside, None])
-        ends = (skipped * keys).amax(dim=1)
+        columns = torch.arange(allowed.shape[2])
+        skipped = ~allowed[b, aside] & (columns >= first) & (columns < last[b, aside, None])
+        ends = (skipped * columns).amax(dim=1)
         for end in ends.unique().tolist():
             group = aside[ends == end]
             # The keys any of them sees, in order; each sees a run of them from the first.

@@ -351,9 +351,11 @@ class VerificationWorker:
             handle.outbox.put_nowait(result)
             self.remove(s.session_id)
             return
-        rows = np.cumsum([len(task.drafts) + 1, *(len(b.tokens) for b in task.branches)])
-        events = s.apply(task, result[: rows[0]], np.split(result[: rows[-1]], rows[:-1])[1:])
-        handle.commits.append((time.monotonic(), s.committed_len))
+        sizes = [len(task.drafts) + 1, *(len(b.tokens) for b in task.branches)]  # the line's rows, then each branch's
+        line, *aside = np.split(result, np.cumsum(sizes[:-1]))
+        events = s.apply(task, line, aside)
+        if self.config.pace_tokens_per_s:
+            handle.commits.append((time.monotonic(), s.committed_len))
         if s.branch_verified is not None:
             handle.kv.take_branch(s.branch_verified)  # the cache follows the committed line onto the branch
             self.metrics.branches_verified.inc()

@@ -101,7 +101,8 @@ class EdgeSession:
     @property
     def branch(self) -> tuple[int, tuple[int, ...]] | None:
         """The earliest branch sent and still open."""
-        return min(self._branches.items()) if self._branches else None
+        branches = self.branches
+        return branches[0] if branches else None
 
     def branch_chunk(self, start: int, tokens: Sequence[int]) -> DraftChunk:
         """Send `tokens` as an alternative to the sent drafts from `start` on (one branch per
