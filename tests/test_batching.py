@@ -225,6 +225,26 @@ def test_a_compute_bound_batch_verifies_fewer_drafts_per_session() -> None:
     asyncio.run(main())
 
 
+def test_in_a_batch_a_session_with_a_poor_estimate_fills_the_width_the_others_set() -> None:
+    """Alone, a session whose drafts were poor verifies few (each one costs the pass); in a
+    batch padded to another session's eight drafts, its own eight cost nothing more."""
+    async def main() -> None:
+        def worker_with(poor_alone: bool) -> VerificationWorker:
+            worker = _drafting_worker(1 if poor_alone else 2, 8, 0.02, 0.0)  # padded tokens cost nothing
+            worker.costs.observe(0, 0.4)
+            worker.costs.observe(8, 1.0)  # a lone session's pass: 8 drafts cost 2.5 steps
+            poor = worker.sessions["s0"].session
+            poor.drafts_accepted, poor.rejections = 2, 6
+            return worker
+
+        alone, _ = worker_with(poor_alone=True)._pick()
+        assert [len(sh.task.drafts) for sh in alone] == [1]  # its own policy: one draft is worth the cost
+        batch, _ = worker_with(poor_alone=False)._pick()
+        assert {sh.handle.session.session_id: len(sh.task.drafts) for sh in batch} == {"s0": 8, "s1": 8}
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("max_sessions, max_tokens", [(512, 4096), (300, 1000), (64, 512), (8, 16), (1, 1)])
 def test_graphs_captured_at_start_cover_every_pass_the_scheduler_can_make(max_sessions, max_tokens) -> None:
     """A shape missed at start would be captured mid-run, holding up every session in it;

@@ -222,7 +222,13 @@ class VerificationWorker:
         batch: list[Share] = []
         longest = 0
         for h in ready:
-            share_ = self._share(h, h.session.next_task(min(h.budget, share)), h.session.tokens)
+            # Alone, a session verifies what its own policy planned. In a batch, the pass's width
+            # is set by all its rows and paid for by each, so a row that stopped short of it would
+            # waste padding it pays for anyway: every session offers all it holds and the width
+            # cut below sizes them together. (Planned alone, a session whose acceptance estimate
+            # was poor verified fewer drafts in every pass, committed less a pass and stayed behind.)
+            budget = h.budget if len(ready) == 1 else min(h.session.candidate_count, cfg.max_verify_tokens)
+            share_ = self._share(h, h.session.next_task(min(budget, share)), h.session.tokens)
             width = max(longest, share_.item.feed_length)
             if batch and (len(batch) + 1) * width > cfg.max_batch_tokens:
                 continue  # it leads the next round
