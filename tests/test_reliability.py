@@ -318,6 +318,18 @@ def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(("argv", "verbose"), [
+    (["serve", "--target", "m"], False),
+    (["-v", "serve", "--target", "m"], True),
+    (["serve", "--target", "m", "-v"], True),  # where users put it
+    (["health", "--verbose"], True),
+])
+def test_debug_logging_is_asked_for_before_or_after_the_command(argv, verbose) -> None:
+    from specsplit.server.cli import build_parser
+
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
 @pytest.mark.parametrize("mode", [pb.DRAFT_MODE_SYNC, pb.DRAFT_MODE_ASYNC])
 def test_an_edge_that_stops_sending_still_gets_its_whole_output(tiny, server, mode) -> None:
     """An edge that half-closes its side right after Open (it will send no drafts) is

@@ -160,9 +160,13 @@ def _health(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specsplit-server", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    # Also accepted after the command (`serve -v`), where users put it; SUPPRESS keeps the
+    # command's parser from resetting a -v given before the command.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve a target model over gRPC")
+    s = sub.add_parser("serve", help="serve a target model over gRPC", parents=[after])
     s.add_argument("--target", required=True, help="Hugging Face directory, .gguf file or hub id")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for other machines)")
     s.add_argument("--port", type=int, default=50051)
@@ -256,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="json: one JSON object per line, with the session id as a field")
     s.set_defaults(func=_serve)
 
-    e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge")
+    e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge",
+                       parents=[after])
     e.add_argument("--model", required=True, help="Hugging Face directory, .gguf file or hub id")
     e.add_argument("--out", required=True, help="output directory (replaced if it exists)")
     e.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
@@ -270,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser(
         "models",
+        parents=[after],
         help="fetch and prepare the default model pair",
         description="pull: download the default pair's GGUF files into the cache and verify their sha256 "
         "(idempotent, resumes). prepare: pull, then convert the target to a bf16 Hugging Face directory and "
@@ -287,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print the resulting paths as JSON")
     m.set_defaults(func=_models)
 
-    h = sub.add_parser("health", help="check a server with gRPC health checking (exit 0 if SERVING)")
+    h = sub.add_parser("health", help="check a server with gRPC health checking (exit 0 if SERVING)",
+                       parents=[after])
     h.add_argument("--address", default="localhost:50051")
     h.add_argument("--service", default="", help="service name (default: the whole server)")
     h.add_argument("--timeout", type=float, default=3.0)
