@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -82,16 +81,15 @@ class VerifyItem:
     drafts: Sequence[int]
     greedy: bool = False  # only the argmax of each row is needed
     branches: Sequence[tuple[int, Sequence[int]]] = ()
+    branch_tokens: int = field(init=False)
+    # Tokens this item puts through the model (the part of it the cache lacks), as the cache
+    # is when the item is made. Computed once here: the scheduler reads it several times
+    # for every session of every pass.
+    feed_length: int = field(init=False)
 
-    @cached_property
-    def branch_tokens(self) -> int:
-        return sum(len(tokens) for _, tokens in self.branches)
-
-    @cached_property
-    def feed_length(self) -> int:
-        """Tokens this item puts through the model (the part of it the cache lacks); read
-        before the pass, while the cache is as the item found it."""
-        return len(self.prefix) + len(self.drafts) + self.branch_tokens - self.kv.reusable(self.prefix)
+    def __post_init__(self) -> None:
+        self.branch_tokens = sum(len(tokens) for _, tokens in self.branches)
+        self.feed_length = len(self.prefix) + len(self.drafts) + self.branch_tokens - self.kv.reusable(self.prefix)
 
     def branch_spans(self, feed_length: int) -> list[tuple[int, int, int]]:
         """Per branch, in a feed of `feed_length` tokens: where the draft it replaces sits,

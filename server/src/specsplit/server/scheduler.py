@@ -148,7 +148,7 @@ class VerificationWorker:
 
     def _ready_at(self, h: SessionHandle, now: float) -> float | None:
         """When the session may next be verified (now or later), or None if not at all;
-        sets h.budget, the drafts that verification takes."""
+        sets h.budget, the drafts that verification takes (see _budget_alone)."""
         s = h.session
         if s.done is not None:
             return None
@@ -174,8 +174,8 @@ class VerificationWorker:
             # A prefill (or a reconnect's catch-up): the pass costs what the prompt costs, so
             # drafts waited for would add nothing but delay to the first token.
             return now
-        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
         if self.config.adaptive and self.config.idle_policy == "adaptive":
+            alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
             rate = h.draft_rate(now)
             h.budget, wait = plan(available, limit, alpha, self.costs, rate, self.config.max_wait_s)
             if wait == 0.0:
@@ -184,11 +184,23 @@ class VerificationWorker:
                 log.debug("session %s: waits up to %.0f ms for drafts (holds %d, plans %d; acceptance %.2f, "
                           "%.1f drafts/s)", s.session_id, wait * 1000, available, h.budget, alpha, rate)
             return now + wait
-        if self.config.adaptive:
-            h.budget = self._explore(h, choose_drafts(available, limit, alpha, self.costs), available, limit)
         if available or self.config.idle_policy == "ar":
             return now
         return h.idle_since + self.config.idle_wait_s
+
+    def _budget_alone(self, h: SessionHandle) -> int:
+        """The drafts a session verifies in a pass of its own: its policy's plan. The
+        "adaptive" idle policy plans in _ready_at, where the plan also decides whether to
+        wait; under the others the plan is made here, only for a session that is alone
+        (one in a batch offers all it holds: _pick), since it costs more host time than
+        anything else the pick does for a session."""
+        s = h.session
+        if not (self.config.adaptive and self.config.idle_policy != "adaptive"
+                and s.request.draft_mode is DraftMode.ASYNC and h.sending):
+            return h.budget
+        available, limit = s.candidate_count, self.config.max_verify_tokens
+        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
+        return self._explore(h, choose_drafts(available, limit, alpha, self.costs), available, limit)
 
     @staticmethod
     def _must_feed(h: SessionHandle) -> int:
@@ -227,7 +239,7 @@ class VerificationWorker:
             # waste padding it pays for anyway: every session offers all it holds and the width
             # cut below sizes them together. (Planned alone, a session whose acceptance estimate
             # was poor verified fewer drafts in every pass, committed less a pass and stayed behind.)
-            budget = h.budget if len(ready) == 1 else min(h.session.candidate_count, cfg.max_verify_tokens)
+            budget = self._budget_alone(h) if len(ready) == 1 else min(h.session.candidate_count, cfg.max_verify_tokens)
             share_ = self._share(h, h.session.next_task(min(budget, share)), h.session.tokens)
             width = max(longest, share_.item.feed_length)
             if batch and (len(batch) + 1) * width > cfg.max_batch_tokens:
