@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 import numpy as np
@@ -327,6 +328,52 @@ def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
         prefill, *steps = engine.passes
         assert prefill == [(40, 0)] and steps
         assert timed == [drafts for ((_, drafts),) in steps]  # every pass but the prefill
+
+    asyncio.run(main())
+
+
+class _SteppingEngine(_BucketShapes):
+    """Steps every session by token 7, and says when its second pass has begun."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.second_began = threading.Event()
+
+    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        self.passes += 1
+        if self.passes == 2:
+            self.second_began.set()
+        for it in items:
+            it.kv.tokens = [*it.prefix, *it.drafts]
+        return [np.array([*it.drafts, 7]) for it in items]
+
+
+def test_a_pass_s_verdicts_go_out_while_the_next_pass_runs() -> None:
+    """The host's work on one pass overlaps the target's on the next: the first pass's
+    verdict is delivered only once the second pass (another session's) is under way."""
+    async def main() -> None:
+        worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=1))
+        engine = _SteppingEngine()
+        worker.engine = engine  # type: ignore[assignment]
+        second_running: list[bool] = []
+        deliver = worker._deliver
+
+        def watched(share, result, elapsed):  # type: ignore[no-untyped-def]
+            if not second_running:  # the first delivery: the first pass's, to s0
+                second_running.append(engine.second_began.wait(2))
+            deliver(share, result, elapsed)
+
+        worker._deliver = watched  # type: ignore[method-assign]
+        runner = asyncio.create_task(worker.run())
+        try:
+            for _ in range(500):
+                if engine.passes >= 3:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            runner.cancel()
+            worker.close()
+        assert second_running == [True]
 
     asyncio.run(main())
 

@@ -121,7 +121,7 @@ class VerificationWorker:
         self.metrics = metrics or ServerMetrics()
         self.sessions: dict[str, SessionHandle] = {}
         self._order: deque[str] = deque()
-        self._in_flight: set[str] = set()  # sessions in the pass now running
+        self._in_flight: set[str] = set()  # sessions picked for a pass whose verdicts are not delivered yet
         self._wake = asyncio.Event()
         # One thread: the model is used by one verification at a time.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
@@ -134,8 +134,8 @@ class VerificationWorker:
         self.notify()
 
     def remove(self, session_id: str) -> None:
-        """Forget a session and free its KV cache. If it is in the running pass, the pass's
-        result for it is dropped and its cache freed when the pass ends."""
+        """Forget a session and free its KV cache. If it is in a pass not yet delivered, the
+        pass's result for it is dropped and its cache freed at delivery."""
         handle = self.sessions.pop(session_id, None)
         if handle is not None:
             self._order.remove(session_id)
@@ -219,6 +219,8 @@ class VerificationWorker:
         soonest: float | None = None
         ready: list[SessionHandle] = []
         for sid in self._order:
+            if sid in self._in_flight:
+                continue  # its last pass's verdict is not applied yet
             h = self.sessions[sid]
             at = self._ready_at(h, now)
             if at is None:
@@ -303,9 +305,19 @@ class VerificationWorker:
         return cut
 
     async def run(self) -> None:
+        # A finished pass's verdicts are delivered while the next pass runs, so that the
+        # host's work on one pass overlaps the target's on the next (on a GPU the target
+        # otherwise waits for it: a fifth of the time at a few hundred sessions). The price:
+        # a session of the finished pass cannot be in the next one, even if all its drafts
+        # held; any other session waits on its edge's answer for about that long anyway.
+        finished: tuple[list[Share], list, float] | None = None
         while True:
             batch, soonest = self._pick()
             if not batch:
+                if finished is not None:
+                    self._deliver_pass(*finished)
+                    finished = None
+                    continue  # its sessions may be ready now
                 self._wake.clear()
                 timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
                 try:
@@ -313,15 +325,13 @@ class VerificationWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            self._in_flight = {sh.handle.session.session_id for sh in batch}
+            self._in_flight.update(sh.handle.session.session_id for sh in batch)
             items = [sh.item for sh in batch]
             padded_tokens = math.prod(self.engine.padded_shape(len(items), max(i.feed_length for i in items)))
-            try:
-                t0 = time.monotonic()
-                results = await self._verify(items)
-                elapsed = time.monotonic() - t0
-            finally:
-                self._in_flight = set()
+            running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
+            if finished is not None:
+                self._deliver_pass(*finished)
+            results, elapsed = await self._results(running, items)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
                           [i.feed_length for i in items], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
@@ -333,29 +343,44 @@ class VerificationWorker:
             self.metrics.verify_seconds.observe(elapsed)
             self.metrics.batch_sessions.observe(len(batch))
             self.metrics.batch_tokens.observe(padded_tokens)
-            for sh, result in zip(batch, results):
-                self.metrics.verify_drafts.observe(len(sh.task.drafts))
-                sh.handle.busy_s += elapsed / len(batch)
-                self._deliver(sh, result, elapsed)
-            self._update_gauges()  # once per pass: it walks every session
+            finished = (batch, results, elapsed)
 
-    async def _verify(self, items: list[VerifyItem]) -> list:  # type: ignore[type-arg]
-        """Each item's result, or the exception its verification raised. A failing batched
-        pass is retried one session at a time, so one bad session cannot fail the others."""
-        loop = asyncio.get_running_loop()
+    def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
+        """The engine's results and its time for them, timed in the target's thread: the
+        event loop may be delivering the last pass when this one ends."""
+        t0 = time.monotonic()
+        results = self.engine.verify_batch(items)
+        return results, time.monotonic() - t0
+
+    async def _results(self, running: asyncio.Future,  # type: ignore[type-arg]
+                       items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
+        """Each item's result, or the exception its verification raised, and the seconds the
+        target spent. A failing batched pass is retried one session at a time, so one bad
+        session cannot fail the others."""
+        t0 = time.monotonic()
         try:
-            return await loop.run_in_executor(self._pool, self.engine.verify_batch, items)
+            return await running
         except Exception as exc:
             if len(items) == 1:
-                return [exc]
+                return [exc], time.monotonic() - t0
             log.warning("a pass over %d sessions failed (%s); verifying them one by one", len(items), exc)
         results: list = []  # type: ignore[type-arg]
+        loop = asyncio.get_running_loop()
         for item in items:
             try:
-                results.append((await loop.run_in_executor(self._pool, self.engine.verify_batch, [item]))[0])
+                (result,), _ = await loop.run_in_executor(self._pool, self._timed_pass, [item])
+                results.append(result)
             except Exception as exc:
                 results.append(exc)
-        return results
+        return results, time.monotonic() - t0
+
+    def _deliver_pass(self, batch: list[Share], results: list, elapsed: float) -> None:  # type: ignore[type-arg]
+        for sh, result in zip(batch, results):
+            self.metrics.verify_drafts.observe(len(sh.task.drafts))
+            sh.handle.busy_s += elapsed / len(batch)
+            self._in_flight.discard(sh.handle.session.session_id)
+            self._deliver(sh, result, elapsed)
+        self._update_gauges()  # once per pass: it walks every session
 
     def _deliver(self, share: Share, result, elapsed: float) -> None:  # type: ignore[no-untyped-def]
         handle, task = share.handle, share.task
