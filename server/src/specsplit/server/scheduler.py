@@ -4,16 +4,18 @@ Sessions hand it work by holding candidates (or by waiting for an autoregressive
 step). Each round it takes every session that is ready, in round-robin order, into one
 target pass, up to a session count and a token budget (padded tokens: sessions times
 the longest feed); a session left out goes to the front of the next round, so none
-starves. The pass runs in a worker thread so the event loop keeps moving messages, and
-verdicts go into each session's bounded outbox as soon as they exist. A session whose
+starves. The pass runs in a worker thread so the event loop keeps moving messages; as
+soon as it ends the next pass starts (over sessions not in it) and its verdicts go into
+each session's bounded outbox while that pass runs (`run`). A session whose
 outbox is full (its edge is not reading) is skipped rather than waited for, so it cannot
 slow the others, and is ended once it has stayed full for `stalled_edge_s`. Whether an
 asynchronous session should first wait for drafts on their way, and how many drafts a
 session alone verifies, is the policy's call (`policy.py`); when many sessions are ready,
 each offers all it holds up to its fair share of the token budget, and since every feed
 is padded to the batch's longest, the feeds are cut together to the width that commits
-the most tokens per second of measured pass time (`policy.choose_width`). A task with an edge's branch feeds
-it in the same row, after the drafts (engines that can: `Engine.verifies_branches`).
+the most tokens per second of measured pass time (`policy.choose_width`). A task with an
+edge's branch feeds it in the same row, after the drafts (engines that can:
+`Engine.verifies_branches`).
 """
 from __future__ import annotations
 
