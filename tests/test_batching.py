@@ -434,7 +434,8 @@ class MisorderingDrafter:
 def test_branches_are_verified_beside_their_drafts_and_change_no_output(tiny) -> None:
     mport = free_port()
     tok = EdgeTokenizer(tiny.draft_dir)
-    with launch_server(tiny.target_dir, tiny.target_dir.parent / "branches.log", "--metrics-port", str(mport)) as (address, _):
+    log = tiny.target_dir.parent / "branches.log"
+    with launch_server(tiny.target_dir, log, "--metrics-port", str(mport)) as (address, _):
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
             cfg = EdgeConfig(mode="async", max_new_tokens=30, window=8)
