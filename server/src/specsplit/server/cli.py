@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specsplit-server", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     # Also accepted after the command (`serve -v`), where users put it; SUPPRESS keeps the
-    # command's parser from resetting a -v given before the command.
+    # command's parser from resetting a -v given before the command. The top level keeps its
+    # own flag: commands share their parent's action objects, so a default set there for the
+    # top level would reset -v in every command.
     after = argparse.ArgumentParser(add_help=False)
     after.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
