@@ -9,6 +9,7 @@ equals the target's own greedy generation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import threading
 import time
@@ -36,9 +37,10 @@ from test_reliability import metric
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
-    """Padded caches and masks (dynamic), or slots, per-row offsets, bucket padding and prompts
-    fed in pieces (static): every session gets the rows it gets alone from the dynamic engine,
-    over rounds of fresh, growing and cropped caches."""
+    """Padded caches and masks (dynamic), or slots, per-row offsets, bucket padding, prompts
+    fed in pieces over passes and feeds split over rows of one pass (static): every session
+    gets the rows it gets alone from the dynamic engine, over rounds of fresh, growing and
+    cropped caches."""
     loaded = load_model(str(tiny.target_dir))
     reference = TargetEngine(loaded)
     engine = StaticEngine(loaded, slots=6, max_len=160) if kind == "static" else reference
@@ -53,7 +55,10 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
             drafts = [list(map(int, rng.integers(0, vocab, int(rng.integers(0, 7))))) for _ in range(b)]
             greedy = [bool(rng.integers(0, 2)) for _ in range(b)]
             want = [reference.verify_batch([VerifyItem(alone[i], prefixes[i], drafts[i])])[0] for i in range(b)]
-            got = engine.verify_batch([VerifyItem(batched[i], prefixes[i], drafts[i], greedy[i]) for i in range(b)])
+            # The static engine may split a feed over rows of one pass (a piece sees the pieces before it).
+            pieces = [int(rng.integers(1, 5)) if kind == "static" else 1 for _ in range(b)]
+            got = engine.verify_batch([VerifyItem(batched[i], prefixes[i], drafts[i], greedy[i], pieces=pieces[i])
+                                       for i in range(b)])
             for w, g, is_greedy in zip(want, got, greedy):
                 if is_greedy:
                     assert g.tolist() == w.argmax(-1).tolist()
@@ -187,8 +192,13 @@ def test_a_long_prefill_runs_alone_and_is_not_passed_over() -> None:
 class _BucketShapes:
     """Pads as the static engine does; no model."""
 
+    split_width = 0
+
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return bucket(sessions, SESSION_BUCKETS), bucket(min(longest, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
+
+    def pass_shape(self, items: list[VerifyItem]) -> tuple[int, int]:
+        return self.padded_shape(len(items), max(it.feed_length for it in items))
 
 
 @given(st.lists(st.integers(0, 2), max_size=80), st.lists(st.integers(0, 2), max_size=80), st.booleans())
@@ -242,6 +252,38 @@ def test_in_a_batch_a_session_with_a_poor_estimate_fills_the_width_the_others_se
         assert [len(sh.task.drafts) for sh in alone] == [1]  # its own policy: one draft is worth the cost
         batch, _ = worker_with(poor_alone=False)._pick()
         assert {sh.handle.session.session_id: len(sh.task.drafts) for sh in batch} == {"s0": 8, "s1": 8}
+
+    asyncio.run(main())
+
+
+class _SplittingShapes(_BucketShapes):
+    """Pads and splits feeds as the static engine does; no model."""
+
+    split_width = TOKEN_BUCKETS[-1]
+    pass_shape = StaticEngine.pass_shape
+    _row_width = StaticEngine._row_width
+
+
+@pytest.mark.parametrize("splits", [False, True])
+def test_a_prompt_in_a_busy_batch_takes_rows_of_the_batch_s_width(splits) -> None:
+    """63 sessions feed 1 token and 7 drafts (8 wide); a fresh session's 12-token prompt would
+    pad every row to 16. An engine that splits feeds takes the prompt as two rows of 8, its
+    drafts filling what the second leaves; one that cannot pads everyone to 16."""
+    async def main() -> None:
+        worker = _drafting_worker(63, 7, 0.04, 5e-5)
+        worker.config = dataclasses.replace(worker.config, max_batch_sessions=96)
+        worker.engine = _SplittingShapes() if splits else _BucketShapes()  # type: ignore[assignment]
+        for h in worker.sessions.values():
+            h.kv.tokens = [1, 2, 3, 4]  # their prompts are cached
+        prompt = tuple(range(1, 13))
+        fresh = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=64), ServerLimits(1000, 4096), "fresh")
+        fresh.receive_draft(DraftChunk(12, tuple(range(20, 27)), HashedSequence(prompt).hash_before(12)))
+        worker.add(SessionHandle(fresh, asyncio.Queue(maxsize=8)))
+        batch, _ = worker._pick()
+        shapes = {sh.handle.session.session_id: (sh.item.feed_length, sh.item.pieces, len(sh.task.drafts)) for sh in batch}
+        assert shapes.pop("fresh") == (16, 2 if splits else 1, 4)  # its drafts fill what the prompt leaves
+        assert len(shapes) == 63 and set(shapes.values()) == {(8, 1, 7)}
+        assert worker.engine.pass_shape([sh.item for sh in batch]) == ((80, 8) if splits else (64, 16))
 
     asyncio.run(main())
 
@@ -371,6 +413,49 @@ def test_a_pass_s_verdicts_go_out_while_the_next_pass_runs() -> None:
             runner.cancel()
             worker.close()
         assert second_running == [True]
+
+    asyncio.run(main())
+
+
+class _GatedEngine(_EchoEngine):
+    """_EchoEngine whose first pass lasts until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        if not self.passes:
+            self.release.wait(5)
+        return super().verify_batch(items)
+
+
+def test_the_next_pass_is_picked_before_the_running_one_ends() -> None:
+    """Near the running pass's expected end the next batch is already chosen, so the target
+    does not wait on the pick: here pass times are known to be short, so s1 is picked for
+    the second pass while the first (s0's) still runs."""
+    async def main() -> None:
+        worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=1))
+        engine = _GatedEngine()
+        worker.engine = engine  # type: ignore[assignment]
+        worker.pass_costs.observe(1, 0.001)
+        runner = asyncio.create_task(worker.run())
+        try:
+            for _ in range(100):
+                if len(worker._in_flight) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            during_first = (set(worker._in_flight), len(engine.passes))
+            engine.release.set()
+            for _ in range(200):
+                if len(engine.passes) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            runner.cancel()
+            worker.close()
+        assert during_first == ({"s0", "s1"}, 0)
+        assert [len(p) for p in engine.passes[:2]] == [1, 1]
 
     asyncio.run(main())
 

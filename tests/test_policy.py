@@ -93,6 +93,28 @@ def test_a_compute_bound_batch_is_cut_and_a_launch_bound_one_is_not() -> None:
     assert cut in (2, 4)  # 16 padded tokens each for ~2.9 committed is the worst choice here
 
 
+def test_a_batch_the_host_cannot_serve_faster_is_not_cut() -> None:
+    """Cutting shortens the pass, but not the host's work on its sessions: once that is the
+    longer, a narrower pass brings the next no sooner and commits less."""
+    rows = [(1, 8, 0.68)] * 128
+    costs = _linear_costs(0.007, 0.00005)
+    assert choose_width(rows, lambda w: 128 * _buckets(w), costs, host_s=0.005) in (2, 4)  # the pass is longer
+    assert choose_width(rows, lambda w: 128 * _buckets(w), costs, host_s=0.2) == 9
+
+
+def test_a_long_feed_split_over_rows_does_not_set_the_width() -> None:
+    """A 12-token prompt among 63 rows of 8: split over rows, it need not pad the others to 16."""
+    rows = [(12, 7, 0.8)] + [(1, 7, 0.8)] * 63
+    costs = _linear_costs(0.04, 0.00005)
+
+    def padded(w: int) -> int:
+        b = _buckets(w)
+        return _buckets(w) * sum(-(-f // b) for f, _, _ in rows)
+
+    assert choose_width(rows, padded, costs) == 16  # no splitting: the prompt's row sets the floor
+    assert choose_width(rows, padded, costs, split_width=32) == 8
+
+
 def test_one_long_feed_does_not_pad_the_whole_batch() -> None:
     rows = [(1, 15, 0.68)] + [(1, 1, 0.68)] * 63
     assert choose_width(rows, lambda w: 64 * _buckets(w), _linear_costs(0.005, 0.0001)) == 2
@@ -107,6 +129,9 @@ def test_without_a_cost_curve_nothing_is_cut() -> None:
 def test_the_width_never_cuts_into_what_a_session_must_feed(rows, fixed, per_token) -> None:
     w = choose_width(rows, lambda w: len(rows) * w, _linear_costs(fixed + 1e-4, per_token))
     assert max(f for f, _, _ in rows) <= w <= max(f + n for f, n, _ in rows)
+    split = choose_width(rows, lambda w: sum(-(-f // w) for f, _, _ in rows) * w, _linear_costs(fixed + 1e-4, per_token),
+                         split_width=32)
+    assert 1 <= split <= min(32, max(f + n for f, n, _ in rows))  # split over rows, a feed sets no floor
 
 
 def test_a_session_the_policy_gave_up_on_verifies_drafts_now_and_then() -> None:
@@ -156,3 +181,9 @@ def test_pass_costs_follow_new_measurements() -> None:
     assert costs.cost(4) == pytest.approx(0.01 + 0.01 * 3 / 7)
     costs.observe(8, 0.09)
     assert costs.cost(4) == pytest.approx(0.01 + 0.08 * 3 / 7)
+
+
+def test_with_one_size_timed_every_size_costs_what_it_cost() -> None:
+    costs = PassCostModel()
+    costs.observe(8, 0.02)
+    assert costs.cost(1) == costs.cost(8) == costs.cost(32) == 0.02

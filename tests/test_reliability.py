@@ -339,3 +339,21 @@ def test_an_edge_that_stops_sending_still_gets_its_whole_output(tiny, server, mo
     assert code is None
     tokens = [t for m in got if m.HasField("verdict") for t in m.verdict.tokens]
     assert tokens == reference(str(tiny.target_dir), PROMPT, 6) and got[-1].HasField("done")
+
+
+def test_a_failed_verification_worker_stops_the_server(tiny, monkeypatch) -> None:
+    """A worker that died would leave a server that takes sessions and never answers them
+    (edges see only their streams stall): the server exits with the worker's error instead."""
+    from specsplit.server.engine import TargetEngine
+    from specsplit.server.loading import load_model
+    from specsplit.server.scheduler import SchedulerConfig, VerificationWorker
+    from specsplit.server.service import ServeConfig, serve
+
+    async def broken(self) -> None:  # type: ignore[no-untyped-def]
+        raise ValueError("a bug in the pick")
+
+    monkeypatch.setattr(VerificationWorker, "run", broken)
+    engine = TargetEngine(load_model(str(tiny.target_dir)))
+    with pytest.raises(RuntimeError, match="worker failed") as failed:
+        asyncio.run(asyncio.wait_for(serve(engine, SchedulerConfig(), ServeConfig(port=free_port(), grace_s=0.1)), 30))
+    assert isinstance(failed.value.__cause__, ValueError)

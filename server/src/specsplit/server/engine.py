@@ -81,6 +81,9 @@ class VerifyItem:
     drafts: Sequence[int]
     greedy: bool = False  # only the argmax of each row is needed
     branches: Sequence[tuple[int, Sequence[int]]] = ()
+    # Rows of the pass the feed is split over, each the next piece of it (engines whose
+    # split_width allows it): a prompt need not widen every row of a batch to its length.
+    pieces: int = 1
     branch_tokens: int = field(init=False)
     # Tokens this item puts through the model (the part of it the cache lacks), as the cache
     # is when the item is made. Computed once here: the scheduler reads it several times
@@ -119,9 +122,18 @@ class Engine(Protocol):
         """(rows, tokens per row) a pass over `sessions` feeds of at most `longest` tokens computes."""
         ...
 
+    def pass_shape(self, items: Sequence[VerifyItem]) -> tuple[int, int]:
+        """(rows, tokens per row) the pass over `items` computes, its feeds split as the items say."""
+        ...
+
     @property
     def verifies_branches(self) -> bool:
         """Whether items may carry a branch."""
+        ...
+
+    @property
+    def split_width(self) -> int:
+        """The widest row a feed may be split into (VerifyItem.pieces); 0: every feed is one row."""
         ...
 
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]: ...
@@ -139,7 +151,11 @@ class TargetEngine:
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return sessions, longest  # right-padded to the longest feed, no more
 
+    def pass_shape(self, items: Sequence[VerifyItem]) -> tuple[int, int]:
+        return self.padded_shape(len(items), max(it.feed_length for it in items))
+
     verifies_branches = True
+    split_width = 0  # a session's cache grows by one pass at a time
 
     @property
     def vocab_size(self) -> int:

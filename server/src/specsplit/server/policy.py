@@ -54,10 +54,10 @@ class PassCostModel:
         i = bisect.bisect_left(sizes, n)
         if i < len(sizes) and sizes[i] == n:
             return self._cost[n]
-        if i == len(sizes):
-            # Past the largest size timed, assume no extra cost: optimism makes the policy
-            # try larger passes, and one try replaces the guess with a measurement.
-            return self._cost[sizes[-1]]
+        if i == len(sizes) or len(sizes) == 1:
+            # Past the largest size timed (or with one size timed), assume no extra cost: optimism
+            # makes the policy try larger passes, and one try replaces the guess with a measurement.
+            return self._cost[sizes[min(i, len(sizes) - 1)]]
         # Interpolate between neighbours (below the smallest, extend the first segment).
         lo, hi = (i - 1, i) if i > 0 else (0, 1)
         a, b = sizes[lo], sizes[hi]
@@ -102,27 +102,44 @@ def plan(
     return best
 
 
-def choose_width(rows: Sequence[tuple[int, int, float]], padded: Callable[[int], int], costs: PassCostModel) -> int:
+def choose_width(rows: Sequence[tuple[int, int, float]], padded: Callable[[int], int | None], costs: PassCostModel,
+                 split_width: int = 0, host_s: float = 0.0) -> int:
     """The feed width (tokens per session) a batched pass should be cut to.
 
     `rows` holds each session's (tokens it must feed whatever happens, drafts it offers, its
     acceptance); `padded(w)` is the padded token count the engine computes for the batch at
-    width w; `costs` times passes by padded tokens. Every session is padded to the longest
-    feed, so one session's eight drafts make all the others pay for eight: when the batch is
-    large, cutting every feed to a narrower width yields more tokens per second, and this
-    picks the width that yields the most. Without a cost curve, nothing is cut."""
+    width w (None: the engine cannot take it); `costs` times passes by padded tokens. Every
+    session is padded to the longest feed, so one session's eight drafts make all the others
+    pay for eight: when the batch is large, cutting every feed to a narrower width yields
+    more tokens per second, and this picks the width that yields the most. With a
+    `split_width` (the engine can split a feed over rows of up to that width), a feed longer
+    than the width takes several rows, its drafts filling its last one; without, no width
+    is narrower than what a session must feed. `host_s` is the host's time on the batch's
+    sessions, which the pass overlaps: no width brings the next pass round sooner than that,
+    so where the host is the bottleneck a narrower pass only commits less. Without a cost
+    curve, nothing is cut."""
     floors = np.array([f for f, _, _ in rows])
     drafts = np.array([n for _, n, _ in rows])
     alphas = np.minimum(np.array([a for _, _, a in rows]), 1.0 - 1e-9)
     floor, longest = int(floors.max()), int((floors + drafts).max())
     if costs.known() < 2:
         return longest
-    # Only the widest width of each padded size is worth trying: the rest cost as much and carry less.
-    widths = [w for w in range(floor, longest + 1) if w == longest or padded(w + 1) > padded(w)]
+    if split_width:
+        # A row's width is paid in full, so each width is tried only where its padded size
+        # ends (the engine pads narrower widths to it; its pieces are cut there).
+        top = min(longest, split_width)
+        widths = [w for w in range(1, top + 1) if w == top or padded(w + 1) != padded(w)]
+    else:
+        # Only the widest width of each padded size is worth trying: the rest cost as much and carry less.
+        widths = [w for w in range(floor, longest + 1) if w == longest or padded(w + 1) > padded(w)]
 
     def rate(w: int) -> float:
-        taken = np.minimum(drafts, w - floors)
-        return float(((1.0 - alphas ** (taken + 1)) / (1.0 - alphas)).sum()) / costs.cost(padded(w))
+        tokens = padded(w)
+        if tokens is None:
+            return 0.0
+        room = -(-floors // w) * w - floors if split_width else w - floors
+        taken = np.minimum(drafts, room)
+        return float(((1.0 - alphas ** (taken + 1)) / (1.0 - alphas)).sum()) / max(costs.cost(tokens), host_s)
 
     return max(widths, key=rate)
 

@@ -43,6 +43,12 @@ IDLE_POLICIES = ("adaptive", "ar", "wait")
 DEFAULT_DRAFT_RATE = 10.0  # drafts per second an edge is assumed to send before it is measured
 PACE_WINDOW_S = 2.0  # a session's pace is what it committed over this long
 PACE_MARGIN = 0.1  # ahead of the pace by more than this share, a session may sit a pass out
+# The next pass is picked this many times the pick's usual host time, plus PICK_MARGIN_S,
+# before the running pass is expected to end (_pick_ahead).
+PICK_LEAD = 1.5
+PICK_MARGIN_S = 0.002
+PICK_WEIGHT = 0.2  # of the latest pick in the pick's usual host time
+HOST_WEIGHT = 0.2  # of the latest pass in the host's usual time per session (_observe_host)
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,11 @@ class VerificationWorker:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
         self.costs = PassCostModel()  # pass time by the most drafts a session put in
         self.pass_costs = PassCostModel()  # pass time by padded tokens (rows x feed width, as the engine pads)
+        self._pick_s = 0.0  # the pick's usual host time (exponentially weighted)
+        # The event loop's CPU time per session a pass serves (delivering, picking, the
+        # streams' messages), exponentially weighted: what a pass's sessions cost the host.
+        self._host_per_visit = 0.0
+        self._host_mark = time.thread_time()
 
     def add(self, handle: SessionHandle) -> None:
         self.sessions[handle.session.session_id] = handle
@@ -252,7 +263,7 @@ class VerificationWorker:
             longest = width
             if len(batch) == cfg.max_batch_sessions:
                 break
-        if cfg.adaptive and len(batch) > 1:
+        if cfg.adaptive and len(batch) > 1 and self.pass_costs.known() >= 2:  # without a cost curve, nothing is cut
             batch = self._cut_to_width(batch)
         for share_ in batch:
             share_.handle.explorer.record(len(share_.task.drafts), share_.handle.session.candidate_count)
@@ -292,17 +303,35 @@ class VerificationWorker:
 
     def _cut_to_width(self, batch: list[Share]) -> list[Share]:
         """Trim the sessions' drafts to the feed width that yields the most tokens per second
-        for this batch (policy.choose_width): a few long feeds must not pad everyone."""
+        for this batch (policy.choose_width): a few long feeds must not pad everyone. An
+        engine that can split a feed over rows (split_width) takes a longer one, a prompt
+        say, in pieces of that width, so it does not widen the rows of all the others."""
         rows = [(sh.item.feed_length - len(sh.task.drafts) - sh.item.branch_tokens, len(sh.task.drafts),
                  acceptance_estimate(sh.handle.session.drafts_accepted, sh.handle.session.rejections)) for sh in batch]
-        width = choose_width(rows, lambda w: math.prod(self.engine.padded_shape(len(batch), w)), self.pass_costs)
+        split = self.engine.split_width
+        floors = np.array([f for f, _, _ in rows])
+
+        def padded(w: int) -> int | None:
+            if not split:
+                return math.prod(self.engine.padded_shape(len(batch), w))
+            row_width = self.engine.padded_shape(1, w)[1]  # where the engine cuts pieces
+            pieces = int((-(-floors // row_width)).sum())
+            if pieces > len(batch) and pieces > self.config.max_batch_sessions:
+                return None  # more rows than a pass may take
+            tokens = math.prod(self.engine.padded_shape(pieces, w))
+            return None if pieces > len(batch) and tokens > self.config.max_batch_tokens else tokens
+
+        width = choose_width(rows, padded, self.pass_costs, split, self._host_per_visit * len(batch))
         cut = []
         for sh, (floor, drafts, _) in zip(batch, rows):
-            if sh.item.feed_length > width:
-                sh = self._share(sh.handle, sh.handle.session.next_task(width - floor), list(sh.item.prefix))
-            while sh.task.branches and sh.item.feed_length > width:  # the drafts fit, the branches beside them do not
+            pieces = -(-floor // width) if split else 1
+            room = pieces * width
+            if sh.item.feed_length > room:
+                sh = self._share(sh.handle, sh.handle.session.next_task(room - floor), list(sh.item.prefix))
+            while sh.task.branches and sh.item.feed_length > room:  # the drafts fit, the branches beside them do not
                 fewer = dataclasses.replace(sh.task, branches=sh.task.branches[:-1])
                 sh = self._share(sh.handle, fewer, list(sh.item.prefix))
+            sh.item.pieces = pieces
             cut.append(sh)
         return cut
 
@@ -312,9 +341,14 @@ class VerificationWorker:
         # otherwise waits for it: a fifth of the time at a few hundred sessions). The price:
         # a session of the finished pass cannot be in the next one, even if all its drafts
         # held; any other session waits on its edge's answer for about that long anyway.
+        # The pass after next is picked while the next one runs, too (_pick_ahead).
         finished: tuple[list[Share], list, float] | None = None
+        upcoming: list[Share] = []
         while True:
-            batch, soonest = self._pick()
+            if upcoming:
+                batch, upcoming = upcoming, []
+            else:
+                batch, soonest = self._take()
             if not batch:
                 if finished is not None:
                     self._deliver_pass(*finished)
@@ -327,12 +361,13 @@ class VerificationWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            self._in_flight.update(sh.handle.session.session_id for sh in batch)
             items = [sh.item for sh in batch]
-            padded_tokens = math.prod(self.engine.padded_shape(len(items), max(i.feed_length for i in items)))
+            padded_tokens = math.prod(self.engine.pass_shape(items))
+            started = time.monotonic()
             running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
             if finished is not None:
                 self._deliver_pass(*finished)
+            upcoming = await self._pick_ahead(running, started, padded_tokens)
             results, elapsed = await self._results(running, items)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
@@ -342,10 +377,45 @@ class VerificationWorker:
                 # branch) would otherwise make verifying a draft or two look as dear as a prompt.
                 self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
             self.pass_costs.observe(padded_tokens, elapsed)
+            self._observe_host(len(batch))
             self.metrics.verify_seconds.observe(elapsed)
             self.metrics.batch_sessions.observe(len(batch))
             self.metrics.batch_tokens.observe(padded_tokens)
             finished = (batch, results, elapsed)
+
+    def _observe_host(self, sessions: int) -> None:
+        """Charge the event loop's CPU time since the last pass ended to the `sessions` of the
+        pass just ended: over a pass the loop delivers one pass's verdicts, picks the next
+        and carries about as many sessions' messages."""
+        mark = time.thread_time()
+        self._host_per_visit += HOST_WEIGHT * ((mark - self._host_mark) / sessions - self._host_per_visit)
+        self._host_mark = mark
+
+    def _take(self) -> tuple[list[Share], float | None]:
+        """_pick, with its sessions marked in flight and its host time measured."""
+        t0 = time.monotonic()
+        batch, soonest = self._pick()
+        self._in_flight.update(sh.handle.session.session_id for sh in batch)
+        self._pick_s += PICK_WEIGHT * (time.monotonic() - t0 - self._pick_s)
+        return batch, soonest
+
+    async def _pick_ahead(self, running: asyncio.Future, started: float,  # type: ignore[type-arg]
+                          padded_tokens: int) -> list[Share]:
+        """The pass after the running one, picked shortly before the running one is expected to
+        end (by the measured pass times), so that the target does not wait on the pick, yet
+        sessions whose drafts arrive during the pass are in it: most are the ones whose verdicts
+        went out as the pass began. None are picked if the pass ends first (the loop picks
+        then, as it must before anything is known of pass times); a session ready only after
+        the pick waits for the pass after."""
+        if not self.pass_costs.known():
+            return []
+        lead = PICK_LEAD * self._pick_s + PICK_MARGIN_S
+        delay = started + self.pass_costs.cost(padded_tokens) - lead - time.monotonic()
+        if delay > 0:
+            await asyncio.wait({running}, timeout=delay)
+        if running.done():
+            return []
+        return self._take()[0]
 
     def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
         """The engine's results and its time for them, timed in the target's thread: the

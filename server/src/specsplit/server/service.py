@@ -206,6 +206,14 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     worker_task = asyncio.create_task(worker.run())
     stop = asyncio.Event()
+
+    def worker_ended(task: asyncio.Task) -> None:  # type: ignore[type-arg]
+        # Without its worker the server would accept sessions and never answer them.
+        if not task.cancelled() and task.exception() is not None:
+            log.critical("the verification worker failed; shutting down", exc_info=task.exception())
+            stop.set()
+
+    worker_task.add_done_callback(worker_ended)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
@@ -232,3 +240,5 @@ async def serve(
         await server.stop(1.0)
         worker_task.cancel()
         worker.close()
+    if worker_task.done() and not worker_task.cancelled() and worker_task.exception() is not None:
+        raise RuntimeError("the verification worker failed") from worker_task.exception()

@@ -152,10 +152,21 @@ class StaticEngine:
         return SlotState(self)
 
     verifies_branches = False  # a slot's positions are its tokens': no room for a branch beside them
+    split_width = TOKEN_BUCKETS[-1]  # pieces of a feed are rows of one slot (verify_batch)
 
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         # Longer feeds (prefills) go through in pieces of the widest bucket.
         return bucket(sessions, SESSION_BUCKETS), bucket(min(longest, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
+
+    def _row_width(self, items: Sequence[VerifyItem]) -> int:
+        """The padded width of a pass's rows: pieces are cut at it, since a row's padding is
+        written to the positions after it, where the next piece of its feed lies."""
+        widest = max(-(-it.feed_length // it.pieces) for it in items)
+        return bucket(min(widest, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
+
+    def pass_shape(self, items: Sequence[VerifyItem]) -> tuple[int, int]:
+        width = self._row_width(items)
+        return self.padded_shape(sum(-(-min(it.feed_length, it.pieces * width) // width) for it in items), width)
 
     def _inputs(self, b: int, f: int) -> dict:
         zeros = torch.zeros((b, f), dtype=torch.long, device=self.device)
@@ -233,41 +244,50 @@ class StaticEngine:
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]:
         """Per item: its len(drafts) + 1 logit rows (float32), or their argmax ids if greedy."""
         step = TOKEN_BUCKETS[-1]
-        seqs, feeds, starts = [], [], []
+        feeds, starts = [], []
         for it in items:
             state = it.kv
             assert isinstance(state, SlotState)
             if len(it.drafts) + 1 > step:
                 raise ValueError(f"at most {step - 1} drafts per verification with the static engine")
-            seq = [*it.prefix, *it.drafts]
-            if len(seq) > self.max_context:
-                raise ValueError(f"{len(seq)} tokens do not fit a {self.max_len}-position KV slot")
+            if len(it.prefix) + len(it.drafts) > self.max_context:
+                raise ValueError(f"{len(it.prefix) + len(it.drafts)} tokens do not fit a {self.max_len}-position KV slot")
             keep = state.reusable(it.prefix)
             state.crop(keep)
             if state.slot is None:
                 if not self.free:
                     raise RuntimeError("no free KV slot (more sessions than the server was started for)")
                 state.slot = self.free.pop()
-            seqs.append(seq)
-            feeds.append(seq[keep:])
+            feeds.append([*it.prefix[keep:], *it.drafts])
             starts.append(keep)
-        # A feed longer than the largest token bucket (a prompt) goes in first in pieces
-        # that need no logits; the last piece of every feed, with all its logit rows, in one pass.
-        for offset in range(0, max(len(f) for f in feeds) - step, step):
-            early = [(it, s + offset, f[offset : min(offset + step, len(f) - step)])
-                     for it, s, f in zip(items, starts, feeds) if len(f) - step > offset]
+        # Each feed's last `pieces` rows' worth goes into one pass, a row per piece: the cache
+        # takes a layer's keys and values of every row before any row attends, so a piece
+        # sees the pieces before it as if they were cached. What is left of a longer feed (a
+        # prompt) goes in first, in pieces of the widest bucket that need no logits.
+        width = self._row_width(items)
+        mains = [f[-min(len(f), it.pieces * width):] for it, f in zip(items, feeds)]
+        leads = [len(f) - len(m) for f, m in zip(feeds, mains)]
+        for offset in range(0, max(leads), step):
+            early = [(it, s + offset, f[offset : min(offset + step, lead)])
+                     for it, s, f, lead in zip(items, starts, feeds, leads) if lead > offset]
             self._pass([e[0] for e in early], [e[1] for e in early], [e[2] for e in early])
-        last = [f[-step:] for f in feeds]
-        out = self._pass(items, [s + len(f) - len(c) for s, f, c in zip(starts, feeds, last)], last)
+        rows: list[tuple[VerifyItem, int, list[int]]] = []
+        spans = []  # each item's rows in the pass
+        for it, s, m, lead in zip(items, starts, mains, leads):
+            first = len(rows)
+            rows += [(it, s + lead + i, m[i : i + width]) for i in range(0, len(m), width)]
+            spans.append(range(first, len(rows)))
+        out = self._pass([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
         best = out["best"].cpu().numpy() if any(it.greedy for it in items) else None
         results = []
-        for i, (it, seq, c) in enumerate(zip(items, seqs, last)):
-            it.kv.tokens = seq  # only now does the slot hold them: a failed pass leaves it cropped
-            lo = len(c) - (len(it.drafts) + 1)
+        for it, span in zip(items, spans):
+            it.kv.tokens = [*it.prefix, *it.drafts]  # only now does the slot hold them: a failed pass leaves it cropped
+            n = len(it.drafts) + 1  # the logit rows wanted: the feed's last n, in the last piece or two
             if it.greedy:
-                results.append(best[i, lo : len(c)])  # type: ignore[index]
+                results.append(np.concatenate([best[r, : len(rows[r][2])] for r in span])[-n:])  # type: ignore[index]
             else:
-                results.append(out["logits"][i, lo : len(c)].float().cpu().numpy())
+                rows_out = torch.cat([out["logits"][r, : len(rows[r][2])] for r in span])
+                results.append(rows_out[-n:].float().cpu().numpy())
         return results
 
     def _pass(self, items: Sequence[VerifyItem], starts: list[int], chunks: list[list[int]]) -> dict:
