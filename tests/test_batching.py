@@ -288,6 +288,23 @@ def test_a_prompt_in_a_busy_batch_takes_rows_of_the_batch_s_width(splits) -> Non
     asyncio.run(main())
 
 
+def test_a_prompt_too_long_to_split_within_the_limits_goes_whole() -> None:
+    """Split over rows of any width, a 300-token prompt beside 4 sessions would need more rows
+    than the pass may take (8): it goes whole, in passes of its own before the batch's."""
+    async def main() -> None:
+        worker = _drafting_worker(4, 7, 0.04, 5e-5)
+        worker.config = dataclasses.replace(worker.config, max_batch_sessions=8)
+        worker.engine = _SplittingShapes()  # type: ignore[assignment]
+        prompt = tuple(range(1, 301))
+        worker.add(SessionHandle(ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=8),
+                                               ServerLimits(1000, 4096), "long"), asyncio.Queue(maxsize=8)))
+        batch, _ = worker._pick()
+        assert len(batch) == 5 and {sh.item.pieces for sh in batch} == {1}
+        assert worker.engine.pass_shape([sh.item for sh in batch])[0] <= 8
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("max_sessions, max_tokens", [(512, 4096), (300, 1000), (64, 512), (8, 16), (1, 1)])
 def test_graphs_captured_at_start_cover_every_pass_the_scheduler_can_make(max_sessions, max_tokens) -> None:
     """A shape missed at start would be captured mid-run, holding up every session in it;
@@ -430,18 +447,22 @@ class _GatedEngine(_EchoEngine):
         return super().verify_batch(items)
 
 
-def test_the_next_pass_is_picked_before_the_running_one_ends() -> None:
+@pytest.mark.parametrize("expected_s", [0.001, 0.4])
+def test_the_next_pass_is_picked_before_the_running_one_ends(expected_s) -> None:
     """Near the running pass's expected end the next batch is already chosen, so the target
-    does not wait on the pick: here pass times are known to be short, so s1 is picked for
-    the second pass while the first (s0's) still runs."""
+    does not wait on the pick: s1 is picked for the second pass while the first (s0's)
+    still runs, and not before its expected end, so that sessions whose drafts come during
+    the pass can still be in the next."""
     async def main() -> None:
         worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=1))
         engine = _GatedEngine()
         worker.engine = engine  # type: ignore[assignment]
-        worker.pass_costs.observe(1, 0.001)
+        worker.pass_costs.observe(1, expected_s)
         runner = asyncio.create_task(worker.run())
         try:
-            for _ in range(100):
+            await asyncio.sleep(0.1)
+            early = set(worker._in_flight)
+            for _ in range(200):
                 if len(worker._in_flight) == 2:
                     break
                 await asyncio.sleep(0.01)
@@ -454,6 +475,7 @@ def test_the_next_pass_is_picked_before_the_running_one_ends() -> None:
         finally:
             runner.cancel()
             worker.close()
+        assert early == ({"s0", "s1"} if expected_s < 0.1 else {"s0"})
         assert during_first == ({"s0", "s1"}, 0)
         assert [len(p) for p in engine.passes[:2]] == [1, 1]
 

@@ -129,9 +129,19 @@ def test_without_a_cost_curve_nothing_is_cut() -> None:
 def test_the_width_never_cuts_into_what_a_session_must_feed(rows, fixed, per_token) -> None:
     w = choose_width(rows, lambda w: len(rows) * w, _linear_costs(fixed + 1e-4, per_token))
     assert max(f for f, _, _ in rows) <= w <= max(f + n for f, n, _ in rows)
-    split = choose_width(rows, lambda w: sum(-(-f // w) for f, _, _ in rows) * w, _linear_costs(fixed + 1e-4, per_token),
-                         split_width=32)
-    assert 1 <= split <= min(32, max(f + n for f, n, _ in rows))  # split over rows, a feed sets no floor
+
+
+
+@given(st.lists(st.tuples(st.integers(1, 100), st.integers(0, 24), st.floats(0.0, 1.0)), min_size=1, max_size=40),
+       st.integers(1, 60))
+def test_a_split_width_keeps_within_the_rows_a_pass_may_take(rows, max_rows) -> None:
+    def padded(w: int) -> int | None:
+        pieces = sum(-(-f // w) for f, _, _ in rows)
+        return None if pieces > max_rows else pieces * w
+
+    w = choose_width(rows, padded, _linear_costs(0.005, 1e-5), split_width=32)
+    top = min(32, max(f + n for f, n, _ in rows))
+    assert padded(w) is not None or all(padded(v) is None for v in range(1, top + 1))
 
 
 def test_a_session_the_policy_gave_up_on_verifies_drafts_now_and_then() -> None:

@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="always verify every candidate up to --max-verify-tokens (default: choose the number that maximizes "
         "expected tokens per second from the session's acceptance and measured pass times)",
     )
-    s.add_argument("--max-batch-sessions", type=int, default=32, help="most sessions one target pass verifies")
+    s.add_argument("--max-batch-sessions", type=int, default=32, help="most sessions one target pass verifies (with the static engine, rows: a prompt split over rows takes several)")
     s.add_argument("--pace-tokens-per-s", type=float, default=0.0,
                    help="the tokens/s each session should get (an SLO): when a session ready for a pass has "
                    "committed slower than this over the last 2 s, the ready sessions more than 10%% faster sit that "

@@ -108,7 +108,9 @@ def choose_width(rows: Sequence[tuple[int, int, float]], padded: Callable[[int],
 
     `rows` holds each session's (tokens it must feed whatever happens, drafts it offers, its
     acceptance); `padded(w)` is the padded token count the engine computes for the batch at
-    width w (None: the engine cannot take it); `costs` times passes by padded tokens. Every
+    width w (None: split that narrow, the pass would outgrow the engine's limits; if no
+    width fits, the widest comes back and the caller feeds whole); `costs` times passes by
+    padded tokens. Every
     session is padded to the longest feed, so one session's eight drafts make all the others
     pay for eight: when the batch is large, cutting every feed to a narrower width yields
     more tokens per second, and this picks the width that yields the most. With a
@@ -121,22 +123,24 @@ def choose_width(rows: Sequence[tuple[int, int, float]], padded: Callable[[int],
     floors = np.array([f for f, _, _ in rows])
     drafts = np.array([n for _, n, _ in rows])
     alphas = np.minimum(np.array([a for _, _, a in rows]), 1.0 - 1e-9)
-    floor, longest = int(floors.max()), int((floors + drafts).max())
+    longest = int((floors + drafts).max())
     if costs.known() < 2:
         return longest
     if split_width:
         # A row's width is paid in full, so each width is tried only where its padded size
-        # ends (the engine pads narrower widths to it; its pieces are cut there).
+        # ends (the engine pads narrower widths to it; its pieces are cut there), and only
+        # where the pass fits the engine's limits.
         top = min(longest, split_width)
-        widths = [w for w in range(1, top + 1) if w == top or padded(w + 1) != padded(w)]
+        widths = [w for w in range(1, top + 1) if padded(w) is not None and (w == top or padded(w + 1) != padded(w))]
+        if not widths:
+            return top
     else:
         # Only the widest width of each padded size is worth trying: the rest cost as much and carry less.
-        widths = [w for w in range(floor, longest + 1) if w == longest or padded(w + 1) > padded(w)]
+        widths = [w for w in range(int(floors.max()), longest + 1) if w == longest or padded(w + 1) > padded(w)]
 
     def rate(w: int) -> float:
         tokens = padded(w)
-        if tokens is None:
-            return 0.0
+        assert tokens is not None
         room = -(-floors // w) * w - floors if split_width else w - floors
         taken = np.minimum(drafts, room)
         return float(((1.0 - alphas ** (taken + 1)) / (1.0 - alphas)).sum()) / max(costs.cost(tokens), host_s)

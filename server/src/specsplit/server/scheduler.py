@@ -2,18 +2,21 @@
 
 Sessions hand it work by holding candidates (or by waiting for an autoregressive
 step). Each round it takes every session that is ready, in round-robin order, into one
-target pass, up to a session count and a token budget (padded tokens: sessions times
-the longest feed); a session left out goes to the front of the next round, so none
-starves. The pass runs in a worker thread so the event loop keeps moving messages; as
-soon as it ends the next pass starts (over sessions not in it) and its verdicts go into
-each session's bounded outbox while that pass runs (`run`). A session whose
+target pass, up to a session count and a token budget (padded tokens: rows times the
+widest); a session left out goes to the front of the next round, so none starves. The
+pass runs in a worker thread so the event loop keeps moving messages; shortly before it
+is expected to end the next pass is picked (over sessions not in it), it starts as soon
+as the running one ends, and the finished pass's verdicts go into each session's bounded
+outbox while the next one runs (`run`). A session whose
 outbox is full (its edge is not reading) is skipped rather than waited for, so it cannot
 slow the others, and is ended once it has stayed full for `stalled_edge_s`. Whether an
 asynchronous session should first wait for drafts on their way, and how many drafts a
 session alone verifies, is the policy's call (`policy.py`); when many sessions are ready,
-each offers all it holds up to its fair share of the token budget, and since every feed
-is padded to the batch's longest, the feeds are cut together to the width that commits
-the most tokens per second of measured pass time (`policy.choose_width`). A task with an
+each offers all it holds up to its fair share of the token budget, and since every row
+is padded to the batch's widest, the feeds are cut together to the width that commits
+the most tokens per second of measured pass time, or of the host's time on the pass's
+sessions where that is longer (`policy.choose_width`); an engine that can split a feed
+over rows takes a longer one (a prompt) as several rows of that width. A task with an
 edge's branch feeds it in the same row, after the drafts (engines that can:
 `Engine.verifies_branches`).
 """
@@ -54,7 +57,7 @@ HOST_WEIGHT = 0.2  # of the latest pass in the host's usual time per session (_o
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_verify_tokens: int = 24  # drafts one verification may take from a session
-    max_batch_sessions: int = 32  # sessions one target pass may verify
+    max_batch_sessions: int = 32  # sessions one target pass may verify (rows, where feeds are split)
     max_batch_tokens: int = 512  # padded tokens one pass may take (a longer prefill runs alone)
     adaptive: bool = True  # pick how many drafts to verify from acceptance and measured pass times
     # Async sessions short of candidates: "adaptive" waits for drafts on their way when that
@@ -226,7 +229,7 @@ class VerificationWorker:
         """`chosen`, or now and then what a fresh session would verify (policy.Explorer)."""
         return h.explorer.adjust(chosen, lambda: choose_drafts(available, limit, acceptance_estimate(0, 0), self.costs))
 
-    def _pick(self) -> tuple[list[tuple[SessionHandle, VerifyTask, VerifyItem]], float | None]:
+    def _pick(self) -> tuple[list[Share], float | None]:
         """The next pass's sessions, or none and when to look again (None: when woken)."""
         now = time.monotonic()
         soonest: float | None = None
@@ -308,23 +311,28 @@ class VerificationWorker:
         say, in pieces of that width, so it does not widen the rows of all the others."""
         rows = [(sh.item.feed_length - len(sh.task.drafts) - sh.item.branch_tokens, len(sh.task.drafts),
                  acceptance_estimate(sh.handle.session.drafts_accepted, sh.handle.session.rejections)) for sh in batch]
-        split = self.engine.split_width
         floors = np.array([f for f, _, _ in rows])
 
-        def padded(w: int) -> int | None:
-            if not split:
-                return math.prod(self.engine.padded_shape(len(batch), w))
+        def whole(w: int) -> int:
+            return math.prod(self.engine.padded_shape(len(batch), w))
+
+        def split(w: int) -> int | None:
             row_width = self.engine.padded_shape(1, w)[1]  # where the engine cuts pieces
             pieces = int((-(-floors // row_width)).sum())
-            if pieces > len(batch) and pieces > self.config.max_batch_sessions:
+            if pieces > self.config.max_batch_sessions:
                 return None  # more rows than a pass may take
             tokens = math.prod(self.engine.padded_shape(pieces, w))
             return None if pieces > len(batch) and tokens > self.config.max_batch_tokens else tokens
 
-        width = choose_width(rows, padded, self.pass_costs, split, self._host_per_visit * len(batch))
+        host_s = self._host_per_visit * len(batch)
+        split_width = self.engine.split_width
+        width = choose_width(rows, split if split_width else whole, self.pass_costs, split_width, host_s)
+        if split_width and split(width) is None:  # no split fits the pass's limits: every feed goes whole
+            split_width = 0
+            width = choose_width(rows, whole, self.pass_costs, 0, host_s)
         cut = []
         for sh, (floor, drafts, _) in zip(batch, rows):
-            pieces = -(-floor // width) if split else 1
+            pieces = -(-floor // width) if split_width else 1
             room = pieces * width
             if sh.item.feed_length > room:
                 sh = self._share(sh.handle, sh.handle.session.next_task(room - floor), list(sh.item.prefix))
@@ -346,7 +354,7 @@ class VerificationWorker:
         upcoming: list[Share] = []
         while True:
             if upcoming:
-                batch, upcoming = upcoming, []
+                batch, soonest, upcoming = self._still_open(upcoming), None, []
             else:
                 batch, soonest = self._take()
             if not batch:
@@ -360,6 +368,7 @@ class VerificationWorker:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except asyncio.TimeoutError:
                     pass
+                self._host_mark = time.thread_time()  # what the loop did while no pass ran is no pass's
                 continue
             items = [sh.item for sh in batch]
             padded_tokens = math.prod(self.engine.pass_shape(items))
@@ -382,6 +391,18 @@ class VerificationWorker:
             self.metrics.batch_sessions.observe(len(batch))
             self.metrics.batch_tokens.observe(padded_tokens)
             finished = (batch, results, elapsed)
+
+    def _still_open(self, batch: list[Share]) -> list[Share]:
+        """A batch picked ahead, less the sessions that ended since (their caches freed)."""
+        kept = []
+        for sh in batch:
+            sid = sh.handle.session.session_id
+            if sid in self.sessions:
+                kept.append(sh)
+            else:
+                self._in_flight.discard(sid)
+                sh.handle.kv.crop(0)
+        return kept
 
     def _observe_host(self, sessions: int) -> None:
         """Charge the event loop's CPU time since the last pass ended to the `sessions` of the

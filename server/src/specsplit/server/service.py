@@ -235,7 +235,7 @@ async def serve(
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = loop.time() + cfg.grace_s
-        while worker.sessions and loop.time() < deadline:
+        while worker.sessions and loop.time() < deadline and not worker_task.done():  # none ends without it
             await asyncio.sleep(0.1)
         await server.stop(1.0)
         worker_task.cancel()

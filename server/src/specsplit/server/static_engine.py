@@ -8,7 +8,8 @@ each session's new keys and values at its own offset in its own row. A pass is p
 to a bucket of sessions and of tokens per session; one graph is captured per bucket
 pair, for every pair the scheduler's limits allow, before serving starts. Rollback is
 free: a session's length is just where its next tokens will be written. Attention sees a session's own row up to each query's
-position, so padding changes nothing and results match the dynamic engine's.
+position, so padding changes nothing and results match the dynamic engine's. A long feed
+(a prompt) may take several rows of a pass, each the next piece of it in the same slot.
 
 Without CUDA (tests, CPU servers) the same code runs eagerly.
 """
@@ -109,9 +110,10 @@ class SlotState(KVState):
 
 
 def pass_shapes(max_sessions: int, max_tokens: int) -> list[tuple[int, int]]:
-    """Every padded (sessions, tokens per session) shape a pass can take when the scheduler
-    puts at most `max_sessions` sessions in a pass and at most `max_tokens` tokens (sessions
-    times the longest feed), except that one session may exceed the tokens alone."""
+    """Every padded (rows, tokens per row) shape a pass can take when the scheduler puts at
+    most `max_sessions` rows in a pass (a session's row, or the pieces of a split feed) and at
+    most `max_tokens` tokens (rows times the widest), except that one row may exceed the
+    tokens alone."""
     shapes = []
     for i, b in enumerate(SESSION_BUCKETS):
         fewest = SESSION_BUCKETS[i - 1] + 1 if i else 1  # the fewest sessions that pad to b
@@ -199,7 +201,8 @@ class StaticEngine:
         passes). Returns how many were captured; without graphs, none."""
         if not self.graphs:
             return 0
-        shapes = pass_shapes(min(max_sessions, len(self.free)), max_tokens)
+        # Rows, not sessions: a feed split over rows (VerifyItem.pieces) takes several of one slot.
+        shapes = pass_shapes(max_sessions, max_tokens)
         for b, f in sorted(shapes, key=lambda s: -s[0] * s[1]):  # the largest first sizes the logits buffer
             self._capture(b, f)
         return len(shapes)
@@ -282,11 +285,12 @@ class StaticEngine:
         results = []
         for it, span in zip(items, spans):
             it.kv.tokens = [*it.prefix, *it.drafts]  # only now does the slot hold them: a failed pass leaves it cropped
-            n = len(it.drafts) + 1  # the logit rows wanted: the feed's last n, in the last piece or two
+            n = len(it.drafts) + 1  # the logit rows wanted: the feed's last n, over its last pieces
+            last = span[-1 - (n - len(rows[span[-1]][2]) + width - 1) // width :]
             if it.greedy:
-                results.append(np.concatenate([best[r, : len(rows[r][2])] for r in span])[-n:])  # type: ignore[index]
+                results.append(np.concatenate([best[r, : len(rows[r][2])] for r in last])[-n:])  # type: ignore[index]
             else:
-                rows_out = torch.cat([out["logits"][r, : len(rows[r][2])] for r in span])
+                rows_out = torch.cat([out["logits"][r, : len(rows[r][2])] for r in last])
                 results.append(rows_out[-n:].float().cpu().numpy())
         return results
 
