@@ -13,6 +13,7 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -391,6 +392,14 @@ def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
     asyncio.run(main())
 
 
+async def _until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
+    """Poll until `condition()` holds or `seconds` have passed (the test's asserts say which)."""
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 class _SteppingEngine(_EchoEngine):
     """_EchoEngine that says when its second pass has begun."""
 
@@ -422,10 +431,7 @@ def test_a_pass_s_verdicts_go_out_while_the_next_pass_runs() -> None:
         worker._deliver = watched  # type: ignore[method-assign]
         runner = asyncio.create_task(worker.run())
         try:
-            for _ in range(500):
-                if len(engine.passes) >= 3:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(engine.passes) >= 3, 5.0)
         finally:
             runner.cancel()
             worker.close()
@@ -462,16 +468,10 @@ def test_the_next_pass_is_picked_before_the_running_one_ends(expected_s) -> None
         try:
             await asyncio.sleep(0.1)
             early = set(worker._in_flight)
-            for _ in range(200):
-                if len(worker._in_flight) == 2:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(worker._in_flight) == 2)
             during_first = (set(worker._in_flight), len(engine.passes))
             engine.release.set()
-            for _ in range(200):
-                if len(engine.passes) >= 2:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(engine.passes) >= 2)
         finally:
             runner.cancel()
             worker.close()
