@@ -202,6 +202,19 @@ class _BucketShapes:
         return self.padded_shape(len(items), max(it.feed_length for it in items))
 
 
+@given(st.lists(st.integers(0, 2), min_size=1, max_size=40), st.lists(st.integers(0, 2), max_size=40),
+       st.lists(st.integers(0, 9), max_size=12), st.integers(0, 12), st.integers(0, 3))
+def test_a_narrowed_item_feeds_what_a_fresh_one_would(prefix, cached, drafts, keep, branch_len) -> None:
+    kv = KVState()
+    kv.tokens = cached
+    branches = [(0, [5] * branch_len)] if drafts and branch_len else []
+    item = VerifyItem(kv, prefix, drafts, branches=branches)
+    fewer = drafts[: min(keep, len(drafts))]
+    narrowed = item.narrowed(fewer, [])
+    assert narrowed.feed_length == VerifyItem(kv, prefix, fewer).feed_length
+    assert (narrowed.drafts, narrowed.branch_tokens, item.drafts) == (fewer, 0, drafts)
+
+
 @given(st.lists(st.integers(0, 2), max_size=80), st.lists(st.integers(0, 2), max_size=80), st.booleans())
 def test_common_prefix_is_the_longest_start_two_sequences_share(a, b, as_tuple) -> None:
     n = common_prefix(tuple(a) if as_tuple else a, b)  # a session's prefix may be either

@@ -94,6 +94,17 @@ class VerifyItem:
         self.branch_tokens = sum(len(tokens) for _, tokens in self.branches)
         self.feed_length = len(self.prefix) + len(self.drafts) + self.branch_tokens - self.kv.reusable(self.prefix)
 
+    def narrowed(self, drafts: Sequence[int], branches: Sequence[tuple[int, Sequence[int]]]) -> VerifyItem:
+        """This item verifying fewer drafts or branches: the same prefix and cache, so its feed
+        length follows without comparing them again (the scheduler narrows most rows of a
+        large batch, and the comparison walks a whole context)."""
+        item = object.__new__(VerifyItem)  # a copy without __post_init__, which is the comparison
+        item.__dict__.update(self.__dict__)
+        item.drafts, item.branches = drafts, branches
+        item.branch_tokens = sum(len(tokens) for _, tokens in branches)
+        item.feed_length = self.feed_length - len(self.drafts) - self.branch_tokens + len(drafts) + item.branch_tokens
+        return item
+
     def branch_spans(self, feed_length: int) -> list[tuple[int, int, int]]:
         """Per branch, in a feed of `feed_length` tokens: where the draft it replaces sits,
         and where the branch begins and ends."""

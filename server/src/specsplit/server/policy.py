@@ -10,6 +10,7 @@ the n with the most expected tokens per second is taken.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -120,6 +121,7 @@ def choose_width(rows: Sequence[tuple[int, int, float]], padded: Callable[[int],
     sessions, which the pass overlaps: no width brings the next pass round sooner than that,
     so where the host is the bottleneck a narrower pass only commits less. Without a cost
     curve, nothing is cut."""
+    padded = functools.cache(padded)  # asked for each width more than once below
     floors = np.array([f for f, _, _ in rows])
     drafts = np.array([n for _, n, _ in rows])
     alphas = np.minimum(np.array([a for _, _, a in rows]), 1.0 - 1e-9)

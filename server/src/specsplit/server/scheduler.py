@@ -292,17 +292,26 @@ class VerificationWorker:
         self.metrics.sessions_paced.inc(len(ready) - len(kept))
         return kept
 
+    def _for_engine(self, task: VerifyTask | None) -> VerifyTask:
+        """The task, without its branches if the engine does not verify branches."""
+        assert task is not None
+        if task.branches and not self.engine.verifies_branches:
+            task = dataclasses.replace(task, branches=())  # they may still become the candidates after the pass
+        return task
+
     def _share(self, h: SessionHandle, task: VerifyTask | None, tokens: list[int]) -> Share:
         """The row a session's task puts into a pass, with the task's branches if the engine
         verifies branches."""
-        assert task is not None
-        s = h.session
-        if task.branches and not self.engine.verifies_branches:
-            task = dataclasses.replace(task, branches=())  # they may still become the candidates after the pass
+        task = self._for_engine(task)
         # A copy of the prefix: drafts may arrive while the model runs.
-        item = VerifyItem(h.kv, tokens[: task.start], task.drafts, greedy=s.mode is VerificationMode.GREEDY,
+        item = VerifyItem(h.kv, tokens[: task.start], task.drafts, greedy=h.session.mode is VerificationMode.GREEDY,
                           branches=[(b.at - task.start, b.tokens) for b in task.branches])
         return Share(h, task, item)
+
+    def _narrow(self, share: Share, task: VerifyTask | None) -> Share:
+        """The share verifying `task`, a smaller one of the same session from the same point."""
+        task = self._for_engine(task)
+        return Share(share.handle, task, share.item.narrowed(task.drafts, [(b.at - task.start, b.tokens) for b in task.branches]))
 
     def _cut_to_width(self, batch: list[Share]) -> list[Share]:
         """Trim the sessions' drafts to the feed width that yields the most tokens per second
@@ -335,10 +344,9 @@ class VerificationWorker:
             pieces = -(-floor // width) if split_width else 1
             room = pieces * width
             if sh.item.feed_length > room:
-                sh = self._share(sh.handle, sh.handle.session.next_task(room - floor), list(sh.item.prefix))
+                sh = self._narrow(sh, sh.handle.session.next_task(room - floor))
             while sh.task.branches and sh.item.feed_length > room:  # the drafts fit, the branches beside them do not
-                fewer = dataclasses.replace(sh.task, branches=sh.task.branches[:-1])
-                sh = self._share(sh.handle, fewer, list(sh.item.prefix))
+                sh = self._narrow(sh, dataclasses.replace(sh.task, branches=sh.task.branches[:-1]))
             sh.item.pieces = pieces
             cut.append(sh)
         return cut
