@@ -425,7 +425,8 @@ class VerificationWorker:
         t0 = time.monotonic()
         batch, soonest = self._pick()
         self._in_flight.update(sh.handle.session.session_id for sh in batch)
-        self._pick_s += PICK_WEIGHT * (time.monotonic() - t0 - self._pick_s)
+        if batch:  # a pick that found nobody ready is no measure of one that builds a pass
+            self._pick_s += PICK_WEIGHT * (time.monotonic() - t0 - self._pick_s)
         return batch, soonest
 
     async def _pick_ahead(self, running: asyncio.Future, started: float,  # type: ignore[type-arg]
