@@ -29,7 +29,7 @@ from specsplit.protocol.server_session import ServerSession
 from specsplit.common.prefix import common_prefix
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
 from specsplit.server.loading import cpu_has_fast_bf16, load_model, resolve_dtype
-from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
+from specsplit.server.scheduler import PassFill, SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, pass_shapes
 from conftest import free_port, launch_server
 from test_end_to_end import PROMPTS, reference
@@ -202,6 +202,23 @@ class _BucketShapes:
         return self.padded_shape(len(items), max(it.feed_length for it in items))
 
 
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=30), st.sampled_from([0, 8, 32]))
+def test_a_pass_being_filled_counts_rows_times_the_widest(feeds, split_width) -> None:
+    """Without splitting, every feed is a row as wide as the widest (as the pick always
+    counted); with it, a longer feed than split_width takes rows of the others' width."""
+    fill = PassFill(split_width)
+    for f in feeds[:-1]:
+        fill.add(f)
+    rows, tokens = fill.with_feed(feeds[-1])
+    one_row = [f for f in feeds if not split_width or f <= split_width]
+    long = [f for f in feeds if split_width and f > split_width]
+    width = max(one_row, default=split_width)
+    assert rows == len(one_row) + sum(-(-f // width) for f in long)
+    assert tokens == rows * width
+    if not split_width:
+        assert (rows, tokens) == (len(feeds), len(feeds) * max(feeds))
+
+
 @given(st.lists(st.integers(0, 2), min_size=1, max_size=40), st.lists(st.integers(0, 2), max_size=40),
        st.lists(st.integers(0, 9), max_size=12), st.integers(0, 12), st.integers(0, 3))
 def test_a_narrowed_item_feeds_what_a_fresh_one_would(prefix, cached, drafts, keep, branch_len) -> None:
@@ -303,18 +320,49 @@ def test_a_prompt_in_a_busy_batch_takes_rows_of_the_batch_s_width(splits) -> Non
 
 
 def test_a_prompt_too_long_to_split_within_the_limits_goes_whole() -> None:
-    """Split over rows of any width, a 300-token prompt beside 4 sessions would need more rows
-    than the pass may take (8): it goes whole, in passes of its own before the batch's."""
+    """A 300-token prompt beside 4 sessions of 11 fits the limits (40 rows, 360 tokens) as the
+    pick counts it, 32 rows of 11; but no width the cut may take fits them (8: 42 rows; 16:
+    23 rows, 368 tokens; 32: 448 tokens), so it goes whole, in passes of its own before the batch's."""
     async def main() -> None:
         worker = _drafting_worker(4, 7, 0.04, 5e-5)
-        worker.config = dataclasses.replace(worker.config, max_batch_sessions=8)
+        worker.config = dataclasses.replace(worker.config, max_batch_sessions=40, max_batch_tokens=360)
         worker.engine = _SplittingShapes()  # type: ignore[assignment]
         prompt = tuple(range(1, 301))
         worker.add(SessionHandle(ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=8),
                                                ServerLimits(1000, 4096), "long"), asyncio.Queue(maxsize=8)))
         batch, _ = worker._pick()
         assert len(batch) == 5 and {sh.item.pieces for sh in batch} == {1}
-        assert worker.engine.pass_shape([sh.item for sh in batch])[0] <= 8
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("splits", [False, True])
+def test_a_long_prompt_does_not_keep_a_busy_batch_small(splits) -> None:
+    """A fresh 200-token prompt first in line, then 100 busy sessions, under a 4096-token
+    budget: counted whole, the prompt keeps its pass to 20 sessions (21 x 200 > 4096); split
+    over rows of the batch's width it takes 25 rows of 8, and everyone fits."""
+    async def main() -> None:
+        worker = VerificationWorker(engine=_SplittingShapes() if splits else _BucketShapes(),  # type: ignore[arg-type]
+                                    config=SchedulerConfig(max_verify_tokens=7, max_batch_sessions=512,
+                                                           max_batch_tokens=4096, idle_policy="ar"))
+        for padded in (4, 256, 1024, 4096):
+            worker.pass_costs.observe(padded, 0.04 + 5e-5 * padded)
+        prompt = tuple(range(1, 201))
+        worker.add(SessionHandle(ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=8),
+                                               ServerLimits(1000, 4096), "fresh"), asyncio.Queue(maxsize=8)))
+        for i in range(100):
+            session = ServerSession(OpenRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=64), ServerLimits(1000, 4096), f"s{i}")
+            session.receive_draft(DraftChunk(4, tuple(range(10, 17)), HashedSequence((1, 2, 3, 4)).hash_before(4)))
+            h = SessionHandle(session, asyncio.Queue(maxsize=8))
+            h.kv.tokens = [1, 2, 3, 4]
+            worker.add(h)
+        batch, _ = worker._pick()
+        assert batch[0].handle.session.session_id == "fresh"
+        if splits:
+            assert len(batch) == 101 and batch[0].item.pieces == 25
+            assert worker.engine.pass_shape([sh.item for sh in batch]) == (128, 8)
+        else:
+            assert len(batch) == 20 and {sh.item.pieces for sh in batch} == {1}
 
     asyncio.run(main())
 

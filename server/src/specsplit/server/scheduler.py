@@ -116,6 +116,36 @@ class SessionHandle:
         return (n1 - n0) / (t1 - t0) if t1 - t0 > 0.2 else DEFAULT_DRAFT_RATE
 
 
+@dataclass
+class PassFill:
+    """The rows and tokens (rows times the widest) of a pass being filled, for its limits.
+    With a `split_width` (the engine splits feeds over rows and the width cut will), a feed
+    longer than that does not widen the pass: it counts as rows of the pass's width, so a
+    long prompt does not keep a busy batch to a few sessions."""
+
+    split_width: int
+    longest: int = 0  # the widest feed that takes one row
+    one_row: int = 0  # feeds that take one row
+    long_feeds: list[int] = field(default_factory=list)
+
+    def with_feed(self, feed: int) -> tuple[int, int]:
+        """(rows, tokens) of the pass with a feed of `feed` tokens added."""
+        if self.split_width and feed > self.split_width:
+            return self._shape(self.one_row, self.longest, [*self.long_feeds, feed])
+        return self._shape(self.one_row + 1, max(self.longest, feed), self.long_feeds)
+
+    def add(self, feed: int) -> None:
+        if self.split_width and feed > self.split_width:
+            self.long_feeds.append(feed)
+        else:
+            self.one_row, self.longest = self.one_row + 1, max(self.longest, feed)
+
+    def _shape(self, one_row: int, longest: int, long_feeds: list[int]) -> tuple[int, int]:
+        width = longest or self.split_width
+        rows = one_row + sum(-(-f // width) for f in long_feeds)
+        return rows, rows * width
+
+
 @dataclass(frozen=True)
 class Share:
     """A session's part of one pass: its task and the row that verifies it."""
@@ -250,7 +280,8 @@ class VerificationWorker:
             ready = self._pace(ready, now)
         share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
         batch: list[Share] = []
-        longest = 0
+        # Feeds are split over rows only where the width cut below runs.
+        fill = PassFill(self.engine.split_width if cfg.adaptive and self.pass_costs.known() >= 2 else 0)
         for h in ready:
             # Alone, a session verifies what its own policy planned. In a batch, the pass's width
             # is set by all its rows and paid for by each, so a row that stopped short of it would
@@ -259,11 +290,11 @@ class VerificationWorker:
             # was poor verified fewer drafts in every pass, committed less a pass and stayed behind.)
             budget = self._budget_alone(h) if len(ready) == 1 else min(h.session.candidate_count, cfg.max_verify_tokens)
             share_ = self._share(h, h.session.next_task(min(budget, share)), h.session.tokens)
-            width = max(longest, share_.item.feed_length)
-            if batch and (len(batch) + 1) * width > cfg.max_batch_tokens:
+            rows, tokens = fill.with_feed(share_.item.feed_length)
+            if batch and (tokens > cfg.max_batch_tokens or rows > cfg.max_batch_sessions):
                 continue  # it leads the next round
             batch.append(share_)
-            longest = width
+            fill.add(share_.item.feed_length)
             if len(batch) == cfg.max_batch_sessions:
                 break
         if cfg.adaptive and len(batch) > 1 and self.pass_costs.known() >= 2:  # without a cost curve, nothing is cut
@@ -330,8 +361,9 @@ class VerificationWorker:
             pieces = int((-(-floors // row_width)).sum())
             if pieces > self.config.max_batch_sessions:
                 return None  # more rows than a pass may take
-            tokens = math.prod(self.engine.padded_shape(pieces, w))
-            return None if pieces > len(batch) and tokens > self.config.max_batch_tokens else tokens
+            if pieces > len(batch) and pieces * row_width > self.config.max_batch_tokens:
+                return None  # more tokens than a pass may take, counted as the pick counts them
+            return math.prod(self.engine.padded_shape(pieces, w))
 
         host_s = self._host_per_visit * len(batch)
         split_width = self.engine.split_width
