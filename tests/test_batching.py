@@ -287,6 +287,21 @@ def test_in_a_batch_a_session_with_a_poor_estimate_fills_the_width_the_others_se
     asyncio.run(main())
 
 
+def _add_fresh(worker: VerificationWorker, sid: str, prompt: tuple[int, ...], drafts: tuple[int, ...] = (),
+               max_new_tokens: int = 64) -> None:
+    """A session whose prompt is not cached yet, holding `drafts` past it."""
+    session = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=max_new_tokens), ServerLimits(1000, 4096), sid)
+    if drafts:
+        session.receive_draft(DraftChunk(len(prompt), drafts, HashedSequence(prompt).hash_before(len(prompt))))
+    worker.add(SessionHandle(session, asyncio.Queue(maxsize=8)))
+
+
+def _cached(worker: VerificationWorker) -> None:
+    """The drafting worker's sessions with their 4-token prompts in the cache."""
+    for h in worker.sessions.values():
+        h.kv.tokens = [1, 2, 3, 4]
+
+
 class _SplittingShapes(_BucketShapes):
     """Pads and splits feeds as the static engine does; no model."""
 
@@ -304,12 +319,8 @@ def test_a_prompt_in_a_busy_batch_takes_rows_of_the_batch_s_width(splits) -> Non
         worker = _drafting_worker(63, 7, 0.04, 5e-5)
         worker.config = dataclasses.replace(worker.config, max_batch_sessions=96)
         worker.engine = _SplittingShapes() if splits else _BucketShapes()  # type: ignore[assignment]
-        for h in worker.sessions.values():
-            h.kv.tokens = [1, 2, 3, 4]  # their prompts are cached
-        prompt = tuple(range(1, 13))
-        fresh = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=64), ServerLimits(1000, 4096), "fresh")
-        fresh.receive_draft(DraftChunk(12, tuple(range(20, 27)), HashedSequence(prompt).hash_before(12)))
-        worker.add(SessionHandle(fresh, asyncio.Queue(maxsize=8)))
+        _cached(worker)
+        _add_fresh(worker, "fresh", tuple(range(1, 13)), tuple(range(20, 27)))
         batch, _ = worker._pick()
         shapes = {sh.handle.session.session_id: (sh.item.feed_length, sh.item.pieces, len(sh.task.drafts)) for sh in batch}
         assert shapes.pop("fresh") == (16, 2 if splits else 1, 4)  # its drafts fill what the prompt leaves
@@ -327,9 +338,7 @@ def test_a_prompt_too_long_to_split_within_the_limits_goes_whole() -> None:
         worker = _drafting_worker(4, 7, 0.04, 5e-5)
         worker.config = dataclasses.replace(worker.config, max_batch_sessions=40, max_batch_tokens=360)
         worker.engine = _SplittingShapes()  # type: ignore[assignment]
-        prompt = tuple(range(1, 301))
-        worker.add(SessionHandle(ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=8),
-                                               ServerLimits(1000, 4096), "long"), asyncio.Queue(maxsize=8)))
+        _add_fresh(worker, "long", tuple(range(1, 301)), max_new_tokens=8)
         batch, _ = worker._pick()
         assert len(batch) == 5 and {sh.item.pieces for sh in batch} == {1}
 
@@ -342,20 +351,12 @@ def test_a_long_prompt_does_not_keep_a_busy_batch_small(splits) -> None:
     budget: counted whole, the prompt keeps its pass to 20 sessions (21 x 200 > 4096); split
     over rows of the batch's width it takes 25 rows of 8, and everyone fits."""
     async def main() -> None:
-        worker = VerificationWorker(engine=_SplittingShapes() if splits else _BucketShapes(),  # type: ignore[arg-type]
-                                    config=SchedulerConfig(max_verify_tokens=7, max_batch_sessions=512,
-                                                           max_batch_tokens=4096, idle_policy="ar"))
-        for padded in (4, 256, 1024, 4096):
-            worker.pass_costs.observe(padded, 0.04 + 5e-5 * padded)
-        prompt = tuple(range(1, 201))
-        worker.add(SessionHandle(ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=8),
-                                               ServerLimits(1000, 4096), "fresh"), asyncio.Queue(maxsize=8)))
-        for i in range(100):
-            session = ServerSession(OpenRequest(prompt_ids=(1, 2, 3, 4), max_new_tokens=64), ServerLimits(1000, 4096), f"s{i}")
-            session.receive_draft(DraftChunk(4, tuple(range(10, 17)), HashedSequence((1, 2, 3, 4)).hash_before(4)))
-            h = SessionHandle(session, asyncio.Queue(maxsize=8))
-            h.kv.tokens = [1, 2, 3, 4]
-            worker.add(h)
+        worker = _drafting_worker(100, 7, 0.04, 5e-5)
+        worker.config = dataclasses.replace(worker.config, max_batch_sessions=512, max_batch_tokens=4096)
+        worker.engine = _SplittingShapes() if splits else _BucketShapes()  # type: ignore[assignment]
+        _cached(worker)
+        _add_fresh(worker, "fresh", tuple(range(1, 201)), max_new_tokens=8)
+        worker._order.rotate(1)  # first in line
         batch, _ = worker._pick()
         assert batch[0].handle.session.session_id == "fresh"
         if splits:

@@ -280,8 +280,8 @@ class VerificationWorker:
             ready = self._pace(ready, now)
         share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
         batch: list[Share] = []
-        # Feeds are split over rows only where the width cut below runs.
-        fill = PassFill(self.engine.split_width if cfg.adaptive and self.pass_costs.known() >= 2 else 0)
+        cuts = cfg.adaptive and self.pass_costs.known() >= 2  # without a cost curve, nothing is cut
+        fill = PassFill(self.engine.split_width if cuts else 0)  # feeds are split only by the width cut
         for h in ready:
             # Alone, a session verifies what its own policy planned. In a batch, the pass's width
             # is set by all its rows and paid for by each, so a row that stopped short of it would
@@ -297,7 +297,7 @@ class VerificationWorker:
             fill.add(share_.item.feed_length)
             if len(batch) == cfg.max_batch_sessions:
                 break
-        if cfg.adaptive and len(batch) > 1 and self.pass_costs.known() >= 2:  # without a cost curve, nothing is cut
+        if cuts and len(batch) > 1:
             batch = self._cut_to_width(batch)
         for share_ in batch:
             share_.handle.explorer.record(len(share_.task.drafts), share_.handle.session.candidate_count)

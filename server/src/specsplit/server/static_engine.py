@@ -285,8 +285,9 @@ class StaticEngine:
         results = []
         for it, span in zip(items, spans):
             it.kv.tokens = [*it.prefix, *it.drafts]  # only now does the slot hold them: a failed pass leaves it cropped
-            n = len(it.drafts) + 1  # the logit rows wanted: the feed's last n, over its last pieces
-            last = span[-1 - (n - len(rows[span[-1]][2]) + width - 1) // width :]
+            n = len(it.drafts) + 1  # the logit rows wanted: the feed's last n
+            full_before_last = max(0, -(-(n - len(rows[span[-1]][2])) // width))  # pieces they reach back into
+            last = span[len(span) - 1 - full_before_last :]
             if it.greedy:
                 results.append(np.concatenate([best[r, : len(rows[r][2])] for r in last])[-n:])  # type: ignore[index]
             else:
