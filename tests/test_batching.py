@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -460,6 +461,30 @@ async def _until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
         if condition():
             return
         await asyncio.sleep(0.01)
+
+
+def test_a_session_that_leaves_an_idle_worker_leaves_the_kv_gauge() -> None:
+    """Gauges walk every session, so they are updated once per pass, and by a worker that
+    has nothing to verify when a session leaves it."""
+    async def main() -> list[float]:
+        worker = VerificationWorker(engine=_BucketShapes(), config=SchedulerConfig(idle_policy="wait", idle_wait_s=60))  # type: ignore[arg-type]
+        prompt = (1, 2, 3, 4)
+        session = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=64), ServerLimits(1000, 4096), "s0")
+        kv = KVState(torch.zeros(1, 2, 1, 4, 2), [*prompt])  # its prompt cached: it waits for drafts
+        worker.add(SessionHandle(session, asyncio.Queue(maxsize=8), kv=kv))
+        task = asyncio.create_task(worker.run())
+        gauge = worker.metrics.kv_bytes._value.get
+        seen = []
+        await _until(lambda: gauge() > 0)
+        seen.append(gauge())
+        worker.remove("s0")
+        await _until(lambda: gauge() == 0)
+        seen.append(gauge())
+        assert not task.done()
+        task.cancel()
+        return seen
+
+    assert asyncio.run(main()) == [64, 0]
 
 
 class _SteppingEngine(_EchoEngine):

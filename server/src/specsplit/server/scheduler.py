@@ -187,7 +187,7 @@ class VerificationWorker:
             self._order.remove(session_id)
             if session_id not in self._in_flight:
                 handle.kv.crop(0)
-            self._update_gauges()
+            self.notify()  # an idle worker updates the gauges; a busy one does after each pass
 
     def notify(self) -> None:
         self._wake.set()
@@ -402,6 +402,7 @@ class VerificationWorker:
                     self._deliver_pass(*finished)
                     finished = None
                     continue  # its sessions may be ready now
+                self._update_gauges()
                 self._wake.clear()
                 timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
                 try:
@@ -528,8 +529,11 @@ class VerificationWorker:
             handle.outbox.put_nowait(result)
             self.remove(s.session_id)
             return
-        sizes = [len(task.drafts) + 1, *(len(b.tokens) for b in task.branches)]  # the line's rows, then each branch's
-        line, *aside = np.split(result, np.cumsum(sizes[:-1]))
+        if task.branches:
+            sizes = [len(task.drafts) + 1, *(len(b.tokens) for b in task.branches)]  # the line's rows, then each branch's
+            line, *aside = np.split(result, np.cumsum(sizes[:-1]))
+        else:  # most tasks: splitting one piece off would cost more than the rest of the delivery
+            line, aside = result, []
         events = s.apply(task, line, aside)
         if self.config.pace_tokens_per_s:
             handle.commits.append((time.monotonic(), s.committed_len))
