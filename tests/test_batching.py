@@ -313,7 +313,7 @@ class _SplittingShapes(_BucketShapes):
 
 @pytest.mark.parametrize("splits", [False, True])
 def test_a_prompt_in_a_busy_batch_takes_rows_of_the_batch_s_width(splits) -> None:
-    """63 sessions feed 1 token and 7 drafts (8 wide); a fresh session's 12-token prompt would
+    """63 sessions feed 1 token and 7 drafts (8 wide); a fresh session's 14-token prompt would
     pad every row to 16. An engine that splits feeds takes the prompt as two rows of 8, its
     drafts filling what the second leaves; one that cannot pads everyone to 16."""
     async def main() -> None:
@@ -321,25 +321,26 @@ def test_a_prompt_in_a_busy_batch_takes_rows_of_the_batch_s_width(splits) -> Non
         worker.config = dataclasses.replace(worker.config, max_batch_sessions=96)
         worker.engine = _SplittingShapes() if splits else _BucketShapes()  # type: ignore[assignment]
         _cached(worker)
-        _add_fresh(worker, "fresh", tuple(range(1, 13)), tuple(range(20, 27)))
+        _add_fresh(worker, "fresh", tuple(range(1, 15)), tuple(range(20, 27)))
         batch, _ = worker._pick()
         shapes = {sh.handle.session.session_id: (sh.item.feed_length, sh.item.pieces, len(sh.task.drafts)) for sh in batch}
-        assert shapes.pop("fresh") == (16, 2 if splits else 1, 4)  # its drafts fill what the prompt leaves
+        assert shapes.pop("fresh") == (16, 2 if splits else 1, 2)  # its drafts fill what the prompt leaves
         assert len(shapes) == 63 and set(shapes.values()) == {(8, 1, 7)}
-        assert worker.engine.pass_shape([sh.item for sh in batch]) == ((80, 8) if splits else (64, 16))
+        assert worker.engine.pass_shape([sh.item for sh in batch]) == ((72, 8) if splits else (64, 16))
 
     asyncio.run(main())
 
 
 def test_a_prompt_too_long_to_split_within_the_limits_goes_whole() -> None:
-    """A 300-token prompt beside 4 sessions of 11 fits the limits (40 rows, 360 tokens) as the
-    pick counts it, 32 rows of 11; but no width the cut may take fits them (8: 42 rows; 16:
-    23 rows, 368 tokens; 32: 448 tokens), so it goes whole, in passes of its own before the batch's."""
+    """A 301-token prompt beside 4 sessions of 11 fits the limits (40 rows, 356 tokens) as the
+    pick counts it, 32 rows of 11 (352 tokens); but no width the cut may take fits them (8:
+    42 rows; 12: 30 rows, 360 tokens; 16: 23 rows, 368 tokens; 32: 448 tokens), so it goes
+    whole, in passes of its own before the batch's."""
     async def main() -> None:
         worker = _drafting_worker(4, 7, 0.04, 5e-5)
-        worker.config = dataclasses.replace(worker.config, max_batch_sessions=40, max_batch_tokens=360)
+        worker.config = dataclasses.replace(worker.config, max_batch_sessions=40, max_batch_tokens=356)
         worker.engine = _SplittingShapes()  # type: ignore[assignment]
-        _add_fresh(worker, "long", tuple(range(1, 301)), max_new_tokens=8)
+        _add_fresh(worker, "long", tuple(range(1, 302)), max_new_tokens=8)
         batch, _ = worker._pick()
         assert len(batch) == 5 and {sh.item.pieces for sh in batch} == {1}
 

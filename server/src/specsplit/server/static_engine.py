@@ -24,10 +24,14 @@ from transformers import AttentionInterface
 from specsplit.server.engine import KVState, VerifyItem
 from specsplit.server.loading import LoadedModel
 
-# Past 32 sessions, steps of a quarter of the power of two below: 81 sessions pad to 96 rows,
-# not 128 (a load test spent 37% of its pass rows on padding with powers of two alone).
-SESSION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
+# Past 32 rows, steps of 8, and past 128 of an eighth of the power of two below: 132 rows pad
+# to 144, not 256 (a load test spent 37% of its pass rows on padding with powers of two
+# alone) or 160 (quarter steps). Once split passes were bound by the GPU's arithmetic, a
+# padded position cost what a real one does: these rows and the 12-token bucket cut the
+# padded tokens fed per committed token by 4% in a load test (docs/capacity.md).
+SESSION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 144, 160, 176, 192,
+                   208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512)
+TOKEN_BUCKETS = (1, 2, 4, 8, 12, 16, 32)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:
