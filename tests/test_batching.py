@@ -570,6 +570,43 @@ def test_the_next_pass_is_picked_before_the_running_one_ends(expected_s) -> None
     asyncio.run(main())
 
 
+class _GatedSteppingEngine(_GatedEngine):
+    """_GatedEngine that says when its second pass has begun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second_began = threading.Event()
+
+    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        if len(self.passes) == 1:
+            self.second_began.set()
+        return super().verify_batch(items)
+
+
+def test_a_pass_picked_ahead_starts_as_the_running_one_ends_while_the_loop_is_busy() -> None:
+    """The pass after the running one is handed to the target's thread when it is picked:
+    it starts as the running pass ends, even while the event loop is busy elsewhere (here,
+    blocked until the second pass begins, for at most 2 s)."""
+    async def main() -> bool:
+        worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=1))
+        engine = _GatedSteppingEngine()
+        worker.engine = engine  # type: ignore[assignment]
+        worker.pass_costs.observe(1, 0.001)  # the first pass is overdue at once: s1 is picked ahead
+        runner = asyncio.create_task(worker.run())
+        try:
+            await _until(lambda: len(worker._in_flight) == 2)
+            engine.release.set()
+            began_while_blocked = engine.second_began.wait(2)  # the event loop is blocked meanwhile
+            await _until(lambda: len(engine.passes) >= 2)
+        finally:
+            runner.cancel()
+            worker.close()
+        assert [len(p) for p in engine.passes[:2]] == [1, 1]
+        return began_while_blocked
+
+    assert asyncio.run(main())
+
+
 @pytest.fixture(scope="module", params=["dynamic", "static"])
 def batching_server(request, tiny, tmp_path_factory):
     mport = free_port()

@@ -155,6 +155,16 @@ class Share:
     item: VerifyItem
 
 
+@dataclass
+class Queued:
+    """A pass picked ahead and handed to the target's thread, where it waits for the running one."""
+
+    batch: list[Share]
+    items: list[VerifyItem]
+    running: asyncio.Future  # type: ignore[type-arg]
+    padded_tokens: int
+
+
 class VerificationWorker:
     def __init__(self, engine: Engine, config: SchedulerConfig, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
@@ -173,6 +183,7 @@ class VerificationWorker:
         # streams' messages), exponentially weighted: what a pass's sessions cost the host.
         self._host_per_visit = 0.0
         self._host_mark = time.thread_time()
+        self._began: tuple[float, list[VerifyItem] | None] = (0.0, None)  # the latest pass's start, on the target's thread
 
     def add(self, handle: SessionHandle) -> None:
         self.sessions[handle.session.session_id] = handle
@@ -389,39 +400,45 @@ class VerificationWorker:
         # otherwise waits for it: a fifth of the time at a few hundred sessions). The price:
         # a session of the finished pass cannot be in the next one, even if all its drafts
         # held; any other session waits on its edge's answer for about that long anyway.
-        # The pass after next is picked while the next one runs, too (_pick_ahead).
+        # The pass after next is picked while the next one runs, too, and handed to the
+        # target at once (_pick_ahead).
         finished: tuple[list[Share], list, float] | None = None
-        upcoming: list[Share] = []
+        queued: Queued | None = None
+        loop = asyncio.get_running_loop()
         while True:
-            if upcoming:
-                batch, soonest, upcoming = self._still_open(upcoming), None, []
+            if queued is not None:
+                batch, running, padded_tokens = queued.batch, queued.running, queued.padded_tokens
+                began, items = self._began
+                # It began as the last pass ended (on the target's thread), or is about to.
+                started = began if items is queued.items else time.monotonic()
+                queued = None
             else:
                 batch, soonest = self._take()
-            if not batch:
-                if finished is not None:
-                    self._deliver_pass(*finished)
-                    finished = None
-                    continue  # its sessions may be ready now
-                self._update_gauges()
-                self._wake.clear()
-                timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
-                self._host_mark = time.thread_time()  # what the loop did while no pass ran is no pass's
-                continue
-            items = [sh.item for sh in batch]
-            padded_tokens = math.prod(self.engine.pass_shape(items))
-            started = time.monotonic()
-            running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
+                if not batch:
+                    if finished is not None:
+                        self._deliver_pass(*finished)
+                        finished = None
+                        continue  # its sessions may be ready now
+                    self._update_gauges()
+                    self._wake.clear()
+                    timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except asyncio.TimeoutError:
+                        pass
+                    self._host_mark = time.thread_time()  # what the loop did while no pass ran is no pass's
+                    continue
+                items = [sh.item for sh in batch]
+                padded_tokens = math.prod(self.engine.pass_shape(items))
+                started = time.monotonic()
+                running = loop.run_in_executor(self._pool, self._timed_pass, items)
             if finished is not None:
                 self._deliver_pass(*finished)
-            upcoming = await self._pick_ahead(running, started, padded_tokens)
-            results, elapsed = await self._results(running, items)
+            queued = await self._pick_ahead(running, started, padded_tokens)
+            results, elapsed = await self._results(running, [sh.item for sh in batch])
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
-                          [i.feed_length for i in items], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
+                          [sh.item.feed_length for sh in batch], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
             if all(sh.item.feed_length == len(sh.task.drafts) + 1 for sh in batch):
                 # Timed by drafts, so only passes that fed nothing else: one prefill (or a
                 # branch) would otherwise make verifying a draft or two look as dear as a prompt.
@@ -432,18 +449,6 @@ class VerificationWorker:
             self.metrics.batch_sessions.observe(len(batch))
             self.metrics.batch_tokens.observe(padded_tokens)
             finished = (batch, results, elapsed)
-
-    def _still_open(self, batch: list[Share]) -> list[Share]:
-        """A batch picked ahead, less the sessions that ended since (their caches freed)."""
-        kept = []
-        for sh in batch:
-            sid = sh.handle.session.session_id
-            if sid in self.sessions:
-                kept.append(sh)
-            else:
-                self._in_flight.discard(sid)
-                sh.handle.kv.crop(0)
-        return kept
 
     def _observe_host(self, sessions: int) -> None:
         """Charge the event loop's CPU time since the last pass ended to the `sessions` of the
@@ -462,28 +467,36 @@ class VerificationWorker:
             self._pick_s += PICK_WEIGHT * (time.monotonic() - t0 - self._pick_s)
         return batch, soonest
 
-    async def _pick_ahead(self, running: asyncio.Future, started: float,  # type: ignore[type-arg]
-                          padded_tokens: int) -> list[Share]:
+    async def _pick_ahead(self, running: asyncio.Future,  # type: ignore[type-arg]
+                          started: float, padded_tokens: int) -> Queued | None:
         """The pass after the running one, picked shortly before the running one is expected to
-        end (by the measured pass times), so that the target does not wait on the pick, yet
-        sessions whose drafts arrive during the pass are in it: most are the ones whose verdicts
-        went out as the pass began. None are picked if the pass ends first (the loop picks
-        then, as it must before anything is known of pass times); a session ready only after
-        the pick waits for the pass after."""
+        end (by the measured pass times) and handed to the target's thread at once, so that it
+        starts as the running one ends, whatever the event loop is doing then; yet sessions
+        whose drafts arrive during the pass are in it: most are the ones whose verdicts went
+        out as the pass began. None if the pass ends first (the loop picks then, as it must
+        before anything is known of pass times); a session ready only after the pick waits for
+        the pass after. A session that ends before its queued pass does is verified all the
+        same and dropped at delivery, its slot freed then."""
         if not self.pass_costs.known():
-            return []
+            return None
         lead = PICK_LEAD * self._pick_s + PICK_MARGIN_S
         delay = started + self.pass_costs.cost(padded_tokens) - lead - time.monotonic()
         if delay > 0:
             await asyncio.wait({running}, timeout=delay)
         if running.done():
-            return []
-        return self._take()[0]
+            return None
+        batch = self._take()[0]
+        if not batch:
+            return None
+        items = [sh.item for sh in batch]
+        padded = math.prod(self.engine.pass_shape(items))
+        return Queued(batch, items, asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items), padded)
 
     def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
         """The engine's results and its time for them, timed in the target's thread: the
         event loop may be delivering the last pass when this one ends."""
         t0 = time.monotonic()
+        self._began = (t0, items)
         results = self.engine.verify_batch(items)
         return results, time.monotonic() - t0
 
