@@ -120,7 +120,7 @@ def test_simulated_drafter_proposes_right_token_at_alpha() -> None:
 def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
     opts, r = running
     # SLO 0: met by any point without errors, so nothing here depends on speed.
-    cfg = SweepConfig(modes=("none", "sim", "onnx"), sessions=(1, 2), slo=0.0)
+    cfg = SweepConfig(modes=("none", "sim", "onnx"), sessions=(1, 2), slo=0.0, per_mode={"onnx": (2,)})
     settings = LoadSettings(max_new_tokens=12, window=8, duration_s=None, generations=1)
     report = sweep_and_report(r, opts, cfg, settings, log=lambda _: None)
     json_path, md_path = write_report(report, tmp_path, "t")
@@ -137,6 +137,8 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
                     "client"):
             assert key in point, (mode, key)
         assert {"kv_peak_mb", "batch_sessions_mean", "passes_per_s", "mean_pass_ms"} <= set(point["server"])
+    assert [p["sessions"] for p in got["results"]["onnx"]] == [2]  # its own counts
+    assert got["settings"]["sessions"] == {"none": [1, 2], "sim": [1, 2], "onnx": [2]}
     assert "| N | session tok/s min" in md_path.read_text()
     short = capacity(got)  # the form bench/results/capacity-gpu.json takes
     for key in ("device", "target_config", "alpha", "slo_tokens_per_s", "baseline_sessions_at_slo",

@@ -71,7 +71,7 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
         prompts = load_prompts(models.target_dir)
         metrics_port = free_port()
         # The session limit is not under test: room for the largest point, with margin.
-        server_args = ("--max-sessions", str(2 * max(cfg.sessions)), "--device", opts.device, *models.server_args,
+        server_args = ("--max-sessions", str(2 * cfg.most()), "--device", opts.device, *models.server_args,
                        *opts.server_args)
         log(f"starting the server (cores {list(opts.server_cores) or 'any'}) ...")
         serve_args = ["--metrics-port", str(metrics_port), *server_args]

@@ -35,7 +35,8 @@ def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results:
         "network": NETWORK,
         "alpha": settings.alpha,
         "slo": cfg.slo,
-        "settings": {"modes": list(cfg.modes), "sessions": list(cfg.sessions), **asdict(settings)},
+        "settings": {"modes": list(cfg.modes), "sessions": {m: list(cfg.counts(m)) for m in cfg.modes},
+                     **asdict(settings)},
         "results": results,
         "summary": summary,
     }

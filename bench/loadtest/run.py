@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, from none,sim,onnx (default: all)")
     p.add_argument("--sessions", type=int_list, default=(1, 2, 4, 8, 16, 32),
                    help="session counts, ascending (default 1,2,4,8,16,32)")
+    p.add_argument("--sessions-for", action="append", default=[], metavar="MODE=COUNTS",
+                   help="session counts for one mode instead of --sessions, repeatable (e.g. sim=512,576,640)")
     p.add_argument("--slo", type=float, default=20.0, help="tokens/s every session must get (default 20)")
     p.add_argument("--alpha", type=float, default=0.7, help="sim edges: per-position acceptance rate (default 0.7)")
     p.add_argument("--draft-delay-ms", type=float, default=0.0, help="sim edges: drafting time per token (default 0)")
@@ -125,7 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.branch_coverage and args.draft_delay_ms:
         raise SystemExit("--branch-coverage needs simulated edges that pick tokens at once (no --draft-delay-ms)")
-    cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo)
+    per_mode = {}
+    for spec in args.sessions_for:
+        mode, sep, counts = spec.partition("=")
+        if not sep or not counts:
+            print(f"error: --sessions-for takes MODE=COUNTS, got {spec!r}", file=sys.stderr)
+            return 2
+        per_mode[mode] = int_list(counts)
+    try:
+        cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo,
+                          per_mode=per_mode)
+    except ValueError as exc:  # an unknown mode, a count below 1
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window,
                             adaptive_window=not args.fixed_window, alpha=args.alpha,
                             draft_delay_ms=args.draft_delay_ms,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,13 +22,24 @@ class SweepConfig:
     modes: tuple[str, ...] = MODES
     sessions: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     slo: float = 20.0  # tokens/s every session must get; a mode stops at its first point below it
+    # Session counts of one mode instead of `sessions` (a mode far from the others' SLO point
+    # need not sweep through theirs).
+    per_mode: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = set(self.modes) - set(MODES)
+        unknown = (set(self.modes) | set(self.per_mode)) - set(MODES)
         if unknown:
             raise ValueError(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-        if not self.sessions or min(self.sessions) < 1:
+        if any(not counts or min(counts) < 1 for counts in (self.sessions, *self.per_mode.values())):
             raise ValueError("session counts must be at least 1")
+
+    def counts(self, mode: str) -> tuple[int, ...]:
+        """The session counts `mode` is swept over, ascending."""
+        return tuple(sorted(self.per_mode.get(mode, self.sessions)))
+
+    def most(self) -> int:
+        """The most sessions any point of the sweep opens."""
+        return max(max(self.counts(m)) for m in self.modes)
 
 
 async def _server_alone(address: str, prompts: PromptSet, max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
@@ -77,11 +88,11 @@ def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: Clien
           log: Callable[[str], None] = print) -> dict[str, list[dict]]:
     """Points per mode; `spec` holds everything but the session kinds (mode) and count."""
     results: dict[str, list[dict]] = {}
-    total = len(cfg.modes) * len(cfg.sessions)
+    total = sum(len(cfg.counts(m)) for m in cfg.modes)
     done = 0
     for mode in cfg.modes:
         points = results[mode] = []
-        for n in sorted(cfg.sessions):
+        for n in cfg.counts(mode):
             done += 1
             log(f"[{done}/{total}] {mode} with {n} session(s) ...")
             point = run_point(server, spec, [mode] * n, workers)
@@ -89,6 +100,6 @@ def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: Clien
             points.append(point)
             log(_line(mode, point))
             if not point["meets_slo"]:  # more sessions only get slower: save the time
-                done += len(cfg.sessions) - len(points)  # the rest of this mode is skipped
+                done += len(cfg.counts(mode)) - len(points)  # the rest of this mode is skipped
                 break
     return results
