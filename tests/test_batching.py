@@ -148,6 +148,22 @@ def _ready_worker(prompt_lengths: list[int], cfg: SchedulerConfig) -> tuple[Veri
     return worker, ids
 
 
+def test_a_session_gone_during_its_pass_holds_its_cache_until_the_pass_is_delivered() -> None:
+    """Admission counts it (VerificationWorker.held): the pass after may already be queued
+    on the target, and a session admitted in its place would find no free cache."""
+    async def main() -> list[int]:
+        worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=2))
+        batch, _ = worker._take()
+        held = [worker.held()]
+        worker.remove("s0")
+        held.append(worker.held())
+        worker._deliver_pass(batch, [np.array([7]), np.array([7])], 0.01)
+        held.append(worker.held())
+        return held
+
+    assert asyncio.run(main()) == [2, 2, 1]
+
+
 def test_round_robin_under_a_session_cap_starves_no_one() -> None:
     async def main() -> None:
         worker, ids = _ready_worker([3] * 7, SchedulerConfig(max_batch_sessions=3))

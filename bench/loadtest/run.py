@@ -129,11 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--branch-coverage needs simulated edges that pick tokens at once (no --draft-delay-ms)")
     per_mode = {}
     for spec in args.sessions_for:
-        mode, sep, counts = spec.partition("=")
-        if not sep or not counts:
-            print(f"error: --sessions-for takes MODE=COUNTS, got {spec!r}", file=sys.stderr)
+        mode, _, counts = spec.partition("=")
+        try:
+            parsed = int_list(counts)
+        except ValueError:
+            parsed = ()
+        if not parsed or mode in per_mode:
+            print(f"error: --sessions-for takes MODE=COUNTS once per mode (e.g. sim=512,576), got {spec!r}",
+                  file=sys.stderr)
             return 2
-        per_mode[mode] = int_list(counts)
+        per_mode[mode] = parsed
     try:
         cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo,
                           per_mode=per_mode)

@@ -27,9 +27,11 @@ class SweepConfig:
     per_mode: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        unknown = (set(self.modes) | set(self.per_mode)) - set(MODES)
+        unknown = set(self.modes) - set(MODES)
         if unknown:
             raise ValueError(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+        if set(self.per_mode) - set(self.modes):
+            raise ValueError(f"session counts given for modes not swept: {sorted(set(self.per_mode) - set(self.modes))}")
         if any(not counts or min(counts) < 1 for counts in (self.sessions, *self.per_mode.values())):
             raise ValueError("session counts must be at least 1")
 

@@ -160,9 +160,9 @@ class Queued:
     """A pass picked ahead and handed to the target's thread, where it waits for the running one."""
 
     batch: list[Share]
-    items: list[VerifyItem]
+    items: list[VerifyItem]  # the batch's, as handed to the target (which says when it began them)
     running: asyncio.Future  # type: ignore[type-arg]
-    padded_tokens: int
+    padded: int  # the pass's padded tokens
 
 
 class VerificationWorker:
@@ -202,6 +202,12 @@ class VerificationWorker:
 
     def notify(self) -> None:
         self._wake.set()
+
+    def held(self) -> int:
+        """Sessions holding a KV cache: the open ones, and ones gone while in a pass not yet
+        delivered, whose caches are freed at delivery. What admission counts, so that a new
+        session never finds every cache taken."""
+        return len(self.sessions) + len(self._in_flight.difference(self.sessions))
 
     def _ready_at(self, h: SessionHandle, now: float) -> float | None:
         """When the session may next be verified (now or later), or None if not at all;
@@ -405,50 +411,55 @@ class VerificationWorker:
         finished: tuple[list[Share], list, float] | None = None
         queued: Queued | None = None
         loop = asyncio.get_running_loop()
-        while True:
-            if queued is not None:
-                batch, running, padded_tokens = queued.batch, queued.running, queued.padded_tokens
-                began, items = self._began
-                # It began as the last pass ended (on the target's thread), or is about to.
-                started = began if items is queued.items else time.monotonic()
-                queued = None
-            else:
-                batch, soonest = self._take()
-                if not batch:
-                    if finished is not None:
-                        self._deliver_pass(*finished)
-                        finished = None
-                        continue  # its sessions may be ready now
-                    self._update_gauges()
-                    self._wake.clear()
-                    timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout)
-                    except asyncio.TimeoutError:
-                        pass
-                    self._host_mark = time.thread_time()  # what the loop did while no pass ran is no pass's
-                    continue
-                items = [sh.item for sh in batch]
-                padded_tokens = math.prod(self.engine.pass_shape(items))
-                started = time.monotonic()
-                running = loop.run_in_executor(self._pool, self._timed_pass, items)
-            if finished is not None:
-                self._deliver_pass(*finished)
-            queued = await self._pick_ahead(running, started, padded_tokens)
-            results, elapsed = await self._results(running, [sh.item for sh in batch])
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
-                          [sh.item.feed_length for sh in batch], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
-            if all(sh.item.feed_length == len(sh.task.drafts) + 1 for sh in batch):
-                # Timed by drafts, so only passes that fed nothing else: one prefill (or a
-                # branch) would otherwise make verifying a draft or two look as dear as a prompt.
-                self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
-            self.pass_costs.observe(padded_tokens, elapsed)
-            self._observe_host(len(batch))
-            self.metrics.verify_seconds.observe(elapsed)
-            self.metrics.batch_sessions.observe(len(batch))
-            self.metrics.batch_tokens.observe(padded_tokens)
-            finished = (batch, results, elapsed)
+        try:
+            while True:
+                if queued is not None:
+                    batch, items, running, padded_tokens = queued.batch, queued.items, queued.running, queued.padded
+                    began_at, began_items = self._began
+                    # It began as the last pass ended (on the target's thread), or is about to.
+                    started = began_at if began_items is items else time.monotonic()
+                    queued = None
+                else:
+                    batch, soonest = self._take()
+                    if not batch:
+                        if finished is not None:
+                            self._deliver_pass(*finished)
+                            finished = None
+                            continue  # its sessions may be ready now
+                        self._update_gauges()
+                        self._wake.clear()
+                        timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
+                        try:
+                            await asyncio.wait_for(self._wake.wait(), timeout)
+                        except asyncio.TimeoutError:
+                            pass
+                        self._host_mark = time.thread_time()  # what the loop did while no pass ran is no pass's
+                        continue
+                    items = [sh.item for sh in batch]
+                    padded_tokens = math.prod(self.engine.pass_shape(items))
+                    started = time.monotonic()
+                    running = loop.run_in_executor(self._pool, self._timed_pass, items)
+                if finished is not None:
+                    self._deliver_pass(*finished)
+                queued = await self._pick_ahead(running, started, padded_tokens)
+                results, elapsed, batched = await self._results(running, items)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
+                              [i.feed_length for i in items], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
+                if batched:  # one-by-one retries time no pass of this shape
+                    if all(sh.item.feed_length == len(sh.task.drafts) + 1 for sh in batch):
+                        # Timed by drafts, so only passes that fed nothing else: one prefill (or a
+                        # branch) would otherwise make verifying a draft or two look as dear as a prompt.
+                        self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
+                    self.pass_costs.observe(padded_tokens, elapsed)
+                    self.metrics.verify_seconds.observe(elapsed)
+                self._observe_host(len(batch))
+                self.metrics.batch_sessions.observe(len(batch))
+                self.metrics.batch_tokens.observe(padded_tokens)
+                finished = (batch, results, elapsed)
+        finally:
+            if queued is not None:  # not started yet, it is dropped; started, it ends unread
+                queued.running.cancel()
 
     def _observe_host(self, sessions: int) -> None:
         """Charge the event loop's CPU time since the last pass ended to the `sessions` of the
@@ -490,7 +501,8 @@ class VerificationWorker:
             return None
         items = [sh.item for sh in batch]
         padded = math.prod(self.engine.pass_shape(items))
-        return Queued(batch, items, asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items), padded)
+        return Queued(batch, items, asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items),
+                      padded)
 
     def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
         """The engine's results and its time for them, timed in the target's thread: the
@@ -501,26 +513,29 @@ class VerificationWorker:
         return results, time.monotonic() - t0
 
     async def _results(self, running: asyncio.Future,  # type: ignore[type-arg]
-                       items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
-        """Each item's result, or the exception its verification raised, and the seconds the
-        target spent. A failing batched pass is retried one session at a time, so one bad
-        session cannot fail the others."""
-        t0 = time.monotonic()
+                       items: list[VerifyItem]) -> tuple[list, float, bool]:  # type: ignore[type-arg]
+        """Each item's result, or the exception its verification raised; the seconds the
+        target spent on them; and whether that was the one batched pass. A failing batched
+        pass is retried one session at a time, so one bad session cannot fail the others;
+        then the seconds are the retries' own (a pass queued meanwhile runs between them)."""
         try:
-            return await running
+            results, elapsed = await running
+            return results, elapsed, True
         except Exception as exc:
             if len(items) == 1:
-                return [exc], time.monotonic() - t0
+                return [exc], 0.0, False
             log.warning("a pass over %d sessions failed (%s); verifying them one by one", len(items), exc)
         results: list = []  # type: ignore[type-arg]
+        spent = 0.0
         loop = asyncio.get_running_loop()
         for item in items:
             try:
-                (result,), _ = await loop.run_in_executor(self._pool, self._timed_pass, [item])
+                (result,), took = await loop.run_in_executor(self._pool, self._timed_pass, [item])
                 results.append(result)
+                spent += took
             except Exception as exc:
                 results.append(exc)
-        return results, time.monotonic() - t0
+        return results, spent, False
 
     def _deliver_pass(self, batch: list[Share], results: list, elapsed: float) -> None:  # type: ignore[type-arg]
         for sh, result in zip(batch, results):

@@ -91,7 +91,7 @@ class SpecSplitService:
                 if isinstance(event, OpenRequest) and conn.session is None:
                     if self.draining:
                         raise errors.ServerBusy("server is shutting down; open the session on another server")
-                    if len(self.worker.sessions) >= self.cfg.max_sessions:
+                    if self.worker.held() >= self.cfg.max_sessions:
                         raise errors.ServerBusy(
                             f"server holds its limit of {self.cfg.max_sessions} sessions; retry later"
                         )
