@@ -25,7 +25,7 @@ from specsplit.edge.client import EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.hashing import HashedSequence
-from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
+from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerSession
 from specsplit.common.prefix import common_prefix
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
@@ -502,6 +502,40 @@ def test_a_session_that_leaves_an_idle_worker_leaves_the_kv_gauge() -> None:
         return seen
 
     assert asyncio.run(main()) == [64, 0]
+
+
+class _FailingEngine(_EchoEngine):
+    """_EchoEngine that fails every pass holding a 5-token prompt."""
+
+    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        if any(len(it.prefix) == 5 for it in items):
+            raise RuntimeError("this session cannot be verified")
+        return super().verify_batch(items)
+
+
+def test_a_failing_pass_is_retried_one_session_at_a_time_and_times_no_pass() -> None:
+    """One bad session fails only itself: the others of its pass get their verdicts from
+    passes of their own, and those retries are not taken for the batched pass's time."""
+    async def main() -> tuple[object, object, list[int]]:
+        worker, ids = _ready_worker([3, 5], SchedulerConfig(max_batch_sessions=2))
+        worker.engine = _FailingEngine()  # type: ignore[assignment]
+        timed: list[int] = []
+        observe = worker.pass_costs.observe
+        worker.pass_costs.observe = lambda padded, s: (timed.append(padded), observe(padded, s))  # type: ignore[method-assign]
+        good, bad = worker.sessions["s0"], worker.sessions["s1"]
+        runner = asyncio.create_task(worker.run())
+        try:
+            first_good = await asyncio.wait_for(good.outbox.get(), 5)
+            first_bad = await asyncio.wait_for(bad.outbox.get(), 5)
+        finally:
+            runner.cancel()
+            worker.close()
+        return first_good, first_bad, timed
+
+    first_good, first_bad, timed = asyncio.run(main())
+    assert isinstance(first_good, Verdict) and first_good.tokens == (7,)
+    assert isinstance(first_bad, RuntimeError)
+    assert 2 * 8 not in timed  # the failed two-session pass (rows padded to 2, tokens to 8)
 
 
 class _SteppingEngine(_EchoEngine):
