@@ -31,11 +31,11 @@ class ServerMetrics:
         )
         self.batch_sessions = Histogram(
             "specsplit_verification_batch_sessions", "Sessions per target pass", registry=r,
-            buckets=(1, 2, 4, 8, 16, 32, 64),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),  # a GPU server's passes hold hundreds
         )
         self.batch_tokens = Histogram(
             "specsplit_verification_batch_tokens", "Tokens per target pass, padding included", registry=r,
-            buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048),
+            buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
         )
         self.outbox_depth = Gauge("specsplit_outbox_depth", "Messages queued to edges, all sessions", registry=r)
         self.kv_bytes = Gauge("specsplit_kv_cache_bytes", "KV cache memory held by sessions", registry=r)
