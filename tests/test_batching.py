@@ -578,8 +578,8 @@ def test_a_pass_s_verdicts_go_out_while_the_next_pass_runs() -> None:
     asyncio.run(main())
 
 
-class _GatedEngine(_EchoEngine):
-    """_EchoEngine whose first pass lasts until `release` is set."""
+class _GatedEngine(_SteppingEngine):
+    """_SteppingEngine whose first pass lasts until `release` is set."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -620,26 +620,13 @@ def test_the_next_pass_is_picked_before_the_running_one_ends(expected_s) -> None
     asyncio.run(main())
 
 
-class _GatedSteppingEngine(_GatedEngine):
-    """_GatedEngine that says when its second pass has begun."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.second_began = threading.Event()
-
-    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
-        if len(self.passes) == 1:
-            self.second_began.set()
-        return super().verify_batch(items)
-
-
 def test_a_pass_picked_ahead_starts_as_the_running_one_ends_while_the_loop_is_busy() -> None:
     """The pass after the running one is handed to the target's thread when it is picked:
     it starts as the running pass ends, even while the event loop is busy elsewhere (here,
     blocked until the second pass begins, for at most 2 s)."""
     async def main() -> bool:
         worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=1))
-        engine = _GatedSteppingEngine()
+        engine = _GatedEngine()
         worker.engine = engine  # type: ignore[assignment]
         worker.pass_costs.observe(1, 0.001)  # the first pass is overdue at once: s1 is picked ahead
         runner = asyncio.create_task(worker.run())
