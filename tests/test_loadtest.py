@@ -17,7 +17,7 @@ from loadtest.report import _window, write_report
 from loadtest.sessions import GenerationRecord, LoadSettings, LoadSpec, SessionLog, _Session
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import session_speeds
-from loadtest.sweep import SweepConfig, reference_continuations
+from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
 from loadtest.timeline import Acceptance
 from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from specsplit.edge.tokenizer import EdgeTokenizer
@@ -179,3 +179,18 @@ def test_load_test_edges_adapt_their_lookahead_unless_told_not_to(adaptive) -> N
     spec = LoadSpec("localhost:1", ((1, 2),), ((3,),), "", 10, settings)
     assert _Session(spec, 0, "sim").cfg.adaptive_window is adaptive
     assert _window({"window": 12, "adaptive_window": adaptive}) == ("adaptive, at most 12" if adaptive else "12, fixed")
+
+
+def test_a_repeated_point_meets_the_slo_only_if_every_run_does() -> None:
+    def run(slowest: float, errors: dict[str, int]) -> dict:
+        return {"session_tok_s": {"min": slowest, "p50": slowest + 3}, "server_tok_s": 100 * slowest,
+                "errors": {"total": sum(errors.values()), "by_code": errors}, "sessions_without_output": 0,
+                "mismatched_outputs": 0}
+
+    point = repeated_point([run(22.0, {}), run(19.0, {}), run(21.0, {})], slo=20.0)
+    assert not point["meets_slo"] and point["session_tok_s"]["min"] == 19.0  # the slowest run's figures
+    assert [r["meets_slo"] for r in point["runs"]] == [True, False, True]
+    assert repeated_point([run(22.0, {}), run(21.0, {})], slo=20.0)["meets_slo"]
+    failed = repeated_point([run(30.0, {"UNAVAILABLE": 1}), run(25.0, {}), run(26.0, {"INTERNAL": 2})], slo=20.0)
+    assert not failed["meets_slo"] and failed["session_tok_s"]["min"] == 26.0  # the slowest of the failing runs
+    assert failed["errors"] == {"total": 3, "by_code": {"UNAVAILABLE": 1, "INTERNAL": 2}}

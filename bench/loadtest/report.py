@@ -36,6 +36,7 @@ def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results:
         "alpha": settings.alpha,
         "slo": cfg.slo,
         "settings": {"modes": list(cfg.modes), "sessions": {m: list(cfg.counts(m)) for m in cfg.modes},
+                     "repeats": cfg.repeats,
                      **asdict(settings)},
         "results": results,
         "summary": summary,
@@ -58,7 +59,13 @@ def _row(mode: str, p: dict) -> str:
     return (f"| {p['sessions']} | {_f(s['min'])} | {_f(s['p50'])} | {_f(p['server_tok_s'], 0)} "
             f"| {_pct(p['itl_ms'], ('p50', 'p99'))} | {_pct(p['verdict_latency_ms'], ('p50', 'p99', 'p99.9'))} "
             f"| {_f(server['batch_sessions_mean'], 2)} | {_f(server['mean_pass_ms'], 2)} | {_f(server['kv_peak_mb'])} "
-            f"| {_f(alpha, 2)} | {client} | {errors} | {'yes' if p['meets_slo'] else 'no'} |")
+            f"| {_f(alpha, 2)} | {client} | {errors} | {'yes' if p['meets_slo'] else 'no'}{_runs(p)} |")
+
+
+def _runs(p: dict) -> str:
+    """' (k/n runs)' for a point run more than once; its figures are the slowest run's."""
+    runs = p.get("runs", ())
+    return f" ({sum(r['meets_slo'] for r in runs)}/{len(runs)} runs)" if len(runs) > 1 else ""
 
 
 def _describe_models(models: dict) -> list[str]:
@@ -99,7 +106,9 @@ def render_markdown(report: dict, name: str) -> str:
         f"- SLO: every session at least {report['slo']:g} tokens/s (the tokens it committed before the point's "
         "time was up, over the time from its first generation until then; the generations still running then "
         "finish with ever fewer sessions and are not counted past it) and no errors; a mode's sweep stops at its "
-        "first point that misses it",
+        "first point that misses it"
+        + (f"; each point ran {s['repeats']} times and meets it only if every run does, its "
+           "figures those of the run with the slowest session" if s.get("repeats", 1) > 1 else ""),
         "- session tok/s: min and median over sessions; server tok/s: tokens committed in the measured window / "
         "its length",
         "- ITL: gaps between consecutive committed tokens (the tokens of one verdict share its time: gap 0); "

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="session counts, ascending (default 1,2,4,8,16,32)")
     p.add_argument("--sessions-for", action="append", default=[], metavar="MODE=COUNTS",
                    help="session counts for one mode instead of --sessions, repeatable (e.g. sim=512,576,640)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each point; a point meets the SLO only if every run does, and reports the run "
+                   "with the slowest session (default 1)")
     p.add_argument("--slo", type=float, default=20.0, help="tokens/s every session must get (default 20)")
     p.add_argument("--alpha", type=float, default=0.7, help="sim edges: per-position acceptance rate (default 0.7)")
     p.add_argument("--draft-delay-ms", type=float, default=0.0, help="sim edges: drafting time per token (default 0)")
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         per_mode[mode] = parsed
     try:
         cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo,
-                          per_mode=per_mode)
+                          per_mode=per_mode, repeats=args.repeats)
     except ValueError as exc:  # an unknown mode, a count below 1
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,9 @@ class SweepConfig:
     # Session counts of one mode instead of `sessions` (a mode far from the others' SLO point
     # need not sweep through theirs).
     per_mode: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Runs of each point: the SLO is judged on the slowest of hundreds of sessions, so one
+    # run is one sample; a point meets it only if every run does.
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         unknown = set(self.modes) - set(MODES)
@@ -34,6 +38,8 @@ class SweepConfig:
             raise ValueError(f"session counts given for modes not swept: {sorted(set(self.per_mode) - set(self.modes))}")
         if any(not counts or min(counts) < 1 for counts in (self.sessions, *self.per_mode.values())):
             raise ValueError("session counts must be at least 1")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
 
     def counts(self, mode: str) -> tuple[int, ...]:
         """The session counts `mode` is swept over, ascending."""
@@ -70,6 +76,20 @@ def meets_slo(point: dict, slo: float) -> bool:
         and point["session_tok_s"]["min"] >= slo
 
 
+def repeated_point(runs: list[dict], slo: float) -> dict:
+    """One point from its runs: the figures of the run whose slowest session was slowest,
+    every run's errors and mismatches, each run's headline figures, and whether all met the SLO."""
+    met = [meets_slo(r, slo) for r in runs]
+    point = dict(min(runs, key=lambda r: (meets_slo(r, slo), r["session_tok_s"]["min"])))
+    point["errors"] = {"total": sum(r["errors"]["total"] for r in runs),
+                       "by_code": dict(sum((Counter(r["errors"]["by_code"]) for r in runs), Counter()))}
+    point["mismatched_outputs"] = sum(r["mismatched_outputs"] for r in runs)
+    point["runs"] = [{"session_tok_s_min": r["session_tok_s"]["min"], "session_tok_s_p50": r["session_tok_s"]["p50"],
+                      "server_tok_s": r["server_tok_s"], "meets_slo": m} for r, m in zip(runs, met)]
+    point["meets_slo"] = all(met)
+    return point
+
+
 def sessions_at_slo(points: list[dict]) -> int:
     """The largest session count whose point met the SLO (0: none did)."""
     return max((p["sessions"] for p in points if p["meets_slo"]), default=0)
@@ -97,8 +117,12 @@ def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: Clien
         for n in cfg.counts(mode):
             done += 1
             log(f"[{done}/{total}] {mode} with {n} session(s) ...")
-            point = run_point(server, spec, [mode] * n, workers)
-            point["meets_slo"] = meets_slo(point, cfg.slo)
+            runs = []
+            for _ in range(cfg.repeats):
+                runs.append(run_point(server, spec, [mode] * n, workers))
+                if cfg.repeats > 1:
+                    log(f"  run {len(runs)}/{cfg.repeats}: " + _line(mode, {**runs[-1], "meets_slo": meets_slo(runs[-1], cfg.slo)}))
+            point = repeated_point(runs, cfg.slo)
             points.append(point)
             log(_line(mode, point))
             if not point["meets_slo"]:  # more sessions only get slower: save the time
