@@ -80,7 +80,8 @@ def repeated_point(runs: list[dict], slo: float) -> dict:
     """One point from its runs: the figures of the run whose slowest session was slowest,
     every run's errors and mismatches, each run's headline figures, and whether all met the SLO."""
     met = [meets_slo(r, slo) for r in runs]
-    point = dict(min(runs, key=lambda r: (meets_slo(r, slo), r["session_tok_s"]["min"])))
+    worst = min(range(len(runs)), key=lambda i: (met[i], runs[i]["session_tok_s"]["min"]))  # a missing run first
+    point = dict(runs[worst])
     point["errors"] = {"total": sum(r["errors"]["total"] for r in runs),
                        "by_code": dict(sum((Counter(r["errors"]["by_code"]) for r in runs), Counter()))}
     point["mismatched_outputs"] = sum(r["mismatched_outputs"] for r in runs)

@@ -156,13 +156,13 @@ class Share:
 
 
 @dataclass
-class Queued:
-    """A pass picked ahead and handed to the target's thread, where it waits for the running one."""
+class HandedPass:
+    """A pass handed to the target's thread, where it runs after any pass handed before it."""
 
     batch: list[Share]
     items: list[VerifyItem]  # the batch's, as handed to the target (which says when it began them)
     running: asyncio.Future  # type: ignore[type-arg]
-    padded: int  # the pass's padded tokens
+    padded_tokens: int
 
 
 class VerificationWorker:
@@ -409,17 +409,10 @@ class VerificationWorker:
         # The pass after next is picked while the next one runs, too, and handed to the
         # target at once (_pick_ahead).
         finished: tuple[list[Share], list, float] | None = None
-        queued: Queued | None = None
-        loop = asyncio.get_running_loop()
+        queued: HandedPass | None = None
         try:
             while True:
-                if queued is not None:
-                    batch, items, running, padded_tokens = queued.batch, queued.items, queued.running, queued.padded
-                    began_at, began_items = self._began
-                    # It began as the last pass ended (on the target's thread), or is about to.
-                    started = began_at if began_items is items else time.monotonic()
-                    queued = None
-                else:
+                if queued is None:
                     batch, soonest = self._take()
                     if not batch:
                         if finished is not None:
@@ -435,10 +428,13 @@ class VerificationWorker:
                             pass
                         self._host_mark = time.thread_time()  # what the loop did while no pass ran is no pass's
                         continue
-                    items = [sh.item for sh in batch]
-                    padded_tokens = math.prod(self.engine.pass_shape(items))
-                    started = time.monotonic()
-                    running = loop.run_in_executor(self._pool, self._timed_pass, items)
+                    queued = self._hand(batch)
+                current, queued = queued, None
+                batch, items, running, padded_tokens = current.batch, current.items, current.running, current.padded_tokens
+                began_at, began_items = self._began
+                # A pass picked ahead began as the last one ended (on the target's thread); a
+                # pass handed just now begins about now.
+                started = began_at if began_items is items else time.monotonic()
                 if finished is not None:
                     self._deliver_pass(*finished)
                 queued = await self._pick_ahead(running, started, padded_tokens)
@@ -479,7 +475,7 @@ class VerificationWorker:
         return batch, soonest
 
     async def _pick_ahead(self, running: asyncio.Future,  # type: ignore[type-arg]
-                          started: float, padded_tokens: int) -> Queued | None:
+                          started: float, padded_tokens: int) -> HandedPass | None:
         """The pass after the running one, picked shortly before the running one is expected to
         end (by the measured pass times) and handed to the target's thread at once, so that it
         starts as the running one ends, whatever the event loop is doing then; yet sessions
@@ -497,12 +493,13 @@ class VerificationWorker:
         if running.done():
             return None
         batch = self._take()[0]
-        if not batch:
-            return None
+        return self._hand(batch) if batch else None
+
+    def _hand(self, batch: list[Share]) -> HandedPass:
+        """`batch`'s pass, handed to the target's thread."""
         items = [sh.item for sh in batch]
-        padded = math.prod(self.engine.pass_shape(items))
-        return Queued(batch, items, asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items),
-                      padded)
+        running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
+        return HandedPass(batch, items, running, math.prod(self.engine.pass_shape(items)))
 
     def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
         """The engine's results and its time for them, timed in the target's thread: the
