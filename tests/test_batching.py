@@ -37,15 +37,20 @@ from test_end_to_end import PROMPTS, reference
 from test_reliability import metric
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("kind", ["dynamic", "static", "static-fused"])
 def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
     """Padded caches and masks (dynamic), or slots, per-row offsets, bucket padding, prompts
-    fed in pieces over passes and feeds split over rows of one pass (static): every session
-    gets the rows it gets alone from the dynamic engine, over rounds of fresh, growing and
-    cropped caches."""
+    fed in pieces over passes and feeds split over rows of one pass (static, and static with
+    its norms and MLPs compiled as on a GPU): every session gets the rows it gets alone from
+    the dynamic engine, over rounds of fresh, growing and cropped caches."""
     loaded = load_model(str(tiny.target_dir))
     reference = TargetEngine(loaded)
-    engine = StaticEngine(loaded, slots=6, max_len=160) if kind == "static" else reference
+    engine: TargetEngine | StaticEngine = reference
+    if kind != "dynamic":
+        # Fusing compiles the model's modules in place: the fused engine gets its own copy.
+        fuse = kind == "static-fused"
+        engine = StaticEngine(load_model(str(tiny.target_dir)) if fuse else loaded, slots=6, max_len=160, fuse=fuse)
+        assert engine.fused == (3 * loaded.model.config.num_hidden_layers + 1 if fuse else 0)  # a layer: MLP and 2 norms
     rng = np.random.default_rng(0)
     vocab = reference.vocab_size
     worst = 0.0
@@ -58,7 +63,7 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
             greedy = [bool(rng.integers(0, 2)) for _ in range(b)]
             want = [reference.verify_batch([VerifyItem(alone[i], prefixes[i], drafts[i])])[0] for i in range(b)]
             # The static engine may split a feed over rows of one pass (a piece sees the pieces before it).
-            pieces = [int(rng.integers(1, 5)) if kind == "static" else 1 for _ in range(b)]
+            pieces = [int(rng.integers(1, 5)) if kind != "dynamic" else 1 for _ in range(b)]
             got = engine.verify_batch([VerifyItem(batched[i], prefixes[i], drafts[i], greedy[i], pieces=pieces[i])
                                        for i in range(b)])
             for w, g, is_greedy in zip(want, got, greedy):
@@ -74,7 +79,7 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
             assert [kv.tokens for kv in alone] == [kv.tokens for kv in batched]
         for state in batched:
             state.crop(0)
-        if kind == "static":
+        if isinstance(engine, StaticEngine):
             assert sorted(engine.free) == list(range(6))  # every slot back
     # fp32 rounding differs with the batch's shape; anything masked wrongly is off by whole units.
     assert worst < 1e-3, worst

@@ -11,6 +11,9 @@ free: a session's length is just where its next tokens will be written. Attentio
 position, so padding changes nothing and results match the dynamic engine's. A long feed
 (a prompt) may take several rows of a pass, each the next piece of it in the same slot.
 
+On a GPU the model's norms and MLPs are also compiled (fusion.py) before the graphs are
+captured, so that each of their elementwise chains is one kernel in the graph.
+
 Without CUDA (tests, CPU servers) the same code runs eagerly.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from transformers import AttentionInterface
 
 from specsplit.server.engine import KVState, VerifyItem
+from specsplit.server.fusion import fuse_pointwise
 from specsplit.server.loading import LoadedModel
 
 # Past 32 rows, steps of 8, and past 128 of an eighth of the power of two below: 132 rows pad
@@ -130,7 +134,10 @@ def pass_shapes(max_sessions: int, max_tokens: int) -> list[tuple[int, int]]:
 
 
 class StaticEngine:
-    def __init__(self, loaded: LoadedModel, slots: int, max_len: int, graphs: bool | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, slots: int, max_len: int, graphs: bool | None = None,
+                 fuse: bool | None = None) -> None:
+        """`graphs` (default: on a GPU) captures a CUDA graph per pass shape; `fuse` (default:
+        with graphs) compiles the model's norms and MLPs in place (`fusion.fuse_pointwise`)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
@@ -140,6 +147,7 @@ class StaticEngine:
         self.scratch = slots
         self.free = list(range(slots - 1, -1, -1))
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.fused = fuse_pointwise(self.model) if (self.graphs if fuse is None else fuse) else 0
         AttentionInterface.register(GQA_ATTENTION, grouped_sdpa)
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, dict]] = {}
         self._logits: torch.Tensor | None = None  # the graphs' shared logits output (flat)
