@@ -39,7 +39,7 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
 
 
 def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slots: int, max_len: int,
-                 cpu_linear: str = "default") -> Engine:
+                 cpu_linear: str = "default", fuse: bool | None = None) -> Engine:
     real = Path(arch).is_dir()  # a model directory: its own weights
     target = Path(arch) if real else write_config_target(work / arch, "qwen2-1.5b" if arch == "tiny" else arch)
     if arch == "tiny":
@@ -50,7 +50,7 @@ def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slot
     loaded = load_model(str(target), dtype=dtype, device=device, load_format="auto" if real else "dummy")
     if cpu_linear == "onnxruntime":
         use_mlas_linears(loaded.model)
-    return StaticEngine(loaded, slots, max_len) if kind == "static" else TargetEngine(loaded)
+    return StaticEngine(loaded, slots, max_len, fuse=fuse) if kind == "static" else TargetEngine(loaded)
 
 
 def sync(engine: Engine) -> None:
@@ -161,8 +161,12 @@ def batching_divergence(engine: Engine, sessions: int, steps: int, k: int) -> di
 def render(report: dict) -> str:
     m = report["machine"]
     weights = f"weights of {report['target']}" if report.get("target") else "random weights"
-    lines = [f"# Engine passes and batching divergence ({report['engine']} engine, {report['dtype']}, {weights})", "",
-             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {torch.__version__}; {report['threads']} thread(s); "
+    engine = f"{report['engine']} engine"
+    if report["engine"] == "static":  # --fuse defaults to on with CUDA
+        fused = report.get("fuse")
+        engine += ", norms and MLPs " + ("compiled" if fused or (fused is None and report["device"] == "cuda") else "eager")
+    lines = [f"# Engine passes and batching divergence ({engine}, {report['dtype']}, {weights})", "",
+             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report.get('torch', '?')}; {report['threads']} thread(s); "
              f"linear layers: {report['cpu_linear']}. Rerun: `{report['rerun']}`", ""]
     for arch, res in report["archs"].items():
         lines += [f"## {arch}", "", "| sessions | tokens each | KV length | pass ms (median) |", "| --- | --- | --- | --- |"]
@@ -198,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--divergence-steps", type=int, default=48)
     p.add_argument("--engine", choices=["dynamic", "static"], default="dynamic",
                    help="the server's --engine (static: slot cache, CUDA graphs on GPU)")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's --fuse (static engine: norms and MLPs compiled; default: on a GPU)")
     p.add_argument("--target", help="time a real model's weights instead of --arch configs: a model directory, "
                    "or 'default' for the default pair's target (prepared into the model cache if needed)")
     p.add_argument("--cpu-linear", choices=["default", "onnxruntime"], default="default",
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     archs = [str(args.target)] if args.target else args.arch or ["qwen2-1.5b", "qwen2-7b"]
     report: dict = {"machine": machine_info(args.device), "dtype": dtype, "device": args.device, "engine": args.engine,
+                    "fuse": args.fuse, "torch": torch.__version__,
                     "target": args.target.name if args.target else None, "cpu_linear": args.cpu_linear,
                     "threads": torch.get_num_threads(),
                     "rerun": "python bench/gpu_passes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -226,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{arch}: loading ({dtype} on {args.device})", file=sys.stderr, flush=True)
             batches = [int(x) for x in args.batches.split(",")]
             engine = build_engine(arch, args.device, dtype, Path(tmp), args.engine,
-                                  max(*batches, args.divergence_sessions), args.kv_len + 128, args.cpu_linear)
+                                  max(*batches, args.divergence_sessions), args.kv_len + 128, args.cpu_linear,
+                                  args.fuse)
             res: dict = {"passes": pass_times(engine, batches,
                                               [int(x) for x in args.tokens.split(",")], args.kv_len, args.repeats)}
             if args.divergence_sessions:
