@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     report.setdefault("name", args.report.name)
     c = capacity(report)
     args.out.with_suffix(".json").write_text(json.dumps(c, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(render(c, str(args.report)))
+    # Named where the report is kept (bench/results/), not where this run read it from.
+    args.out.with_suffix(".md").write_text(render(c, f"bench/results/{args.report.name}"))
     print(args.out.with_suffix(".md").read_text())
     return 0
 
