@@ -46,6 +46,9 @@ def _serve(args: argparse.Namespace) -> int:
               f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions)",
               file=sys.stderr)
         return 2
+    if args.fuse and args.engine != "static":
+        print("error: --fuse compiles the static engine's modules; it needs --engine static", file=sys.stderr)
+        return 2
     if not args.gil_switch_ms > 0:
         print(f"error: --gil-switch-ms must be above 0, got {args.gil_switch_ms}", file=sys.stderr)
         return 2
