@@ -85,6 +85,26 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
     assert worst < 1e-3, worst
 
 
+def test_a_machine_that_cannot_compile_serves_with_eager_modules(tiny, monkeypatch, caplog) -> None:
+    """--fuse where torch.compile cannot build its kernels (a slim image without a compiler):
+    the engine says so and runs the original modules, with the same rows."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._dynamo.reset()  # compiled code from other tests would be reused, not rebuilt
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler",))
+    loaded = load_model(str(tiny.target_dir))
+    with caplog.at_level("WARNING"):
+        engine = StaticEngine(loaded, slots=2, max_len=160, fuse=True)
+    assert engine.fused == 0 and "running them eagerly" in caplog.text
+    assert not any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in loaded.model.modules())
+    prompt = list(range(5, 25))
+    want = TargetEngine(load_model(str(tiny.target_dir))).verify_batch([VerifyItem(KVState(), prompt, [7, 8])])[0]
+    got = engine.verify_batch([VerifyItem(engine.new_state(), prompt, [7, 8])])[0]
+    assert np.abs(got - want).max() < 1e-4
+
+
 def test_branches_in_a_batch_get_the_rows_of_their_tokens_fed_in_line(tiny) -> None:
     """Sessions of a batch (different lengths) with none, one or several branches beside their
     drafts (two may stand at one position): each gets, for its drafts and for each branch,

@@ -72,9 +72,10 @@ def _serve(args: argparse.Namespace) -> int:
 
         log.info("ONNX Runtime linears: %d layers", use_mlas_linears(loaded.model))
     if args.engine == "static":
+        t0 = time.monotonic()
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len, fuse=args.fuse)
         if engine.fused:
-            log.info("compiling %d norm and MLP modules on first use (torch.compile)", engine.fused)
+            log.info("compiled %d norm and MLP modules (torch.compile) in %.1f s", engine.fused, time.monotonic() - t0)
         log.info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
                  args.static_max_len, engine.cache.bytes_per_slot * (args.max_sessions + 1) / 1e9)
         if engine.graphs:

@@ -12,6 +12,11 @@ or model took minutes and ran slower there.
 from __future__ import annotations
 
 import torch
+import torch._dynamo  # its exceptions are named below
+
+# What compiling can fail with where no compiler can be had (Triton builds a small C helper on
+# first use; a slim container image has no C compiler): the caller falls back to eager modules.
+CompileFailed = torch._dynamo.exc.BackendCompilerFailed
 
 
 def _fusable(module: torch.nn.Module) -> bool:
@@ -19,18 +24,26 @@ def _fusable(module: torch.nn.Module) -> bool:
     return name.endswith("RMSNorm") or name.endswith("MLP")
 
 
-def fuse_pointwise(model: torch.nn.Module) -> int:
+Replaced = list[tuple[torch.nn.Module, str, torch.nn.Module]]  # (parent, attribute, original module)
+
+
+def fuse_pointwise(model: torch.nn.Module) -> Replaced:
     """Replace every RMS norm and MLP inside the decoder (each layer's, and the final norm)
-    by its torch.compile'd self, compiled lazily on first use. Returns how many.
+    by its torch.compile'd self, compiled lazily on first use. Returns what it replaced.
 
     Shapes are dynamic, so one compiled graph serves every pass shape but those with a
     single row or a single token (sizes 1 are specialised): four per class, shared by all
     the layers' modules of that class, well within dynamo's recompile limit."""
-    decoder = model.get_decoder()
-    count = 0
-    for parent in list(decoder.modules()):  # listed first: a compiled module wraps the original
+    replaced: Replaced = []
+    for parent in list(model.get_decoder().modules()):  # listed first: a compiled module wraps the original
         for name, child in list(parent.named_children()):
             if _fusable(child):
                 setattr(parent, name, torch.compile(child, dynamic=True))
-                count += 1
-    return count
+                replaced.append((parent, name, child))
+    return replaced
+
+
+def unfuse(replaced: Replaced) -> None:
+    """Put the original modules back."""
+    for parent, name, original in replaced:
+        setattr(parent, name, original)

@@ -18,6 +18,7 @@ Without CUDA (tests, CPU servers) the same code runs eagerly.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,7 +26,7 @@ import torch
 from transformers import AttentionInterface
 
 from specsplit.server.engine import KVState, VerifyItem
-from specsplit.server.fusion import fuse_pointwise
+from specsplit.server.fusion import CompileFailed, fuse_pointwise, unfuse
 from specsplit.server.loading import LoadedModel
 
 # Past 32 rows, steps of 8, and past 128 of an eighth of the power of two below: 132 rows pad
@@ -36,6 +37,8 @@ from specsplit.server.loading import LoadedModel
 SESSION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 144, 160, 176, 192,
                    208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512)
 TOKEN_BUCKETS = (1, 2, 4, 8, 12, 16, 32)
+
+log = logging.getLogger(__name__)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:
@@ -147,11 +150,26 @@ class StaticEngine:
         self.scratch = slots
         self.free = list(range(slots - 1, -1, -1))
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        self.fused = fuse_pointwise(self.model) if (self.graphs if fuse is None else fuse) else 0
         AttentionInterface.register(GQA_ATTENTION, grouped_sdpa)
+        self.fused = self._fuse() if (self.graphs if fuse is None else fuse) else 0
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, dict]] = {}
         self._logits: torch.Tensor | None = None  # the graphs' shared logits output (flat)
         self._pool = None
+
+    @torch.inference_mode()
+    def _fuse(self) -> int:
+        """Compile the norms and MLPs, and compile them now with one small eager pass into the
+        spare slot, so that a machine that cannot compile falls back to eager modules here
+        rather than failing in the first graph capture. Returns how many were compiled."""
+        replaced = fuse_pointwise(self.model)
+        try:
+            self._forward(self._inputs(2, 2))  # sizes of 1 are specialised: these are not
+        except CompileFailed as exc:
+            unfuse(replaced)
+            log.warning("cannot compile the target's norms and MLPs, running them eagerly: %s",
+                        str(exc).strip().splitlines()[0])
+            return 0
+        return len(replaced)
 
     @property
     def vocab_size(self) -> int:
