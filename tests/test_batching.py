@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch._dynamo.utils import counters as dynamo_counters
 
 from specsplit.edge.client import EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
@@ -83,6 +84,20 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
             assert sorted(engine.free) == list(range(6))  # every slot back
     # fp32 rounding differs with the batch's shape; anything masked wrongly is off by whole units.
     assert worst < 1e-3, worst
+
+
+def test_the_fused_engine_compiles_everything_before_serving(tiny) -> None:
+    """On CPU no graph capture runs every pass shape before serving, and dynamo compiles a
+    shape with one row or one token apart: the engine compiles them all when made, so that
+    no session's pass waits for a compile."""
+    engine = StaticEngine(load_model(str(tiny.target_dir)), slots=3, max_len=160, fuse=True)
+    compiled = dict(dynamo_counters["stats"])
+    states, prompts = [engine.new_state() for _ in range(3)], [list(range(3, 3 + n)) for n in (9, 12, 15)]
+    # Feeds (rows x tokens): 3 prompts, 3 single tokens, 1 token and 2 drafts, 1 token.
+    for batch, drafts in (([0, 1, 2], []), ([0, 1, 2], []), ([0], [7, 8]), ([0], [])):
+        engine.verify_batch([VerifyItem(states[i], prompts[i], drafts, greedy=True) for i in batch])
+        prompts = [p + [5] if i in batch else p for i, p in enumerate(prompts)]
+    assert dict(dynamo_counters["stats"]) == compiled
 
 
 def test_a_machine_that_cannot_compile_serves_with_eager_modules(tiny, monkeypatch, caplog) -> None:

@@ -158,12 +158,15 @@ class StaticEngine:
 
     @torch.inference_mode()
     def _fuse(self) -> int:
-        """Compile the norms and MLPs, and compile them now with one small eager pass into the
-        spare slot, so that a machine that cannot compile falls back to eager modules here
-        rather than failing in the first graph capture. Returns how many were compiled."""
+        """Compile the norms and MLPs, and compile them now with small eager passes into the
+        spare slot: a machine that cannot compile falls back to eager modules here rather than
+        failing in the first graph capture, and no session waits for a compile (without
+        graphs nothing else would compile them before serving). Returns how many."""
         replaced = fuse_pointwise(self.model)
         try:
-            self._forward(self._inputs(2, 2))  # sizes of 1 are specialised: these are not
+            # Sizes of 1 are compiled apart, and two equal sizes would be taken as one (duck sizing).
+            for rows, tokens in ((2, 3), (2, 1), (1, 2), (1, 1)):
+                self._forward(self._inputs(rows, tokens))
         except CompileFailed as exc:
             unfuse(replaced)
             log.warning("cannot compile the target's norms and MLPs, running them eagerly: %s",
