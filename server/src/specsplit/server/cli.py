@@ -58,13 +58,13 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(args.gil_switch_ms / 1000)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specsplit.server.loading import resolve_dtype
+    from specsplit.server.loading import MissingWeights, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
     log.info("loading target %s (%s on %s)", args.target, dtype, args.device)
     try:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
-    except OSError as exc:  # a path that does not exist, a hub id that cannot be fetched
+    except (OSError, MissingWeights) as exc:  # no such path, a hub id that cannot be fetched, a partial checkpoint
         print(f"error: cannot load the target {args.target}: {exc}", file=sys.stderr)
         return 2
     if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):

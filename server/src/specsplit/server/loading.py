@@ -91,8 +91,12 @@ def make_echo(model: PreTrainedModel) -> None:
         head.weight.data.copy_(embed.weight.data)
 
 
+class MissingWeights(ValueError):
+    """A checkpoint that lacks some of its model's weights, which would be left random."""
+
+
 def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None,
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", rows_invariant: bool = True) -> LoadedModel:
     """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id.
 
     `load_format` dummy: only the directory's config.json and tokenizer are read and the
@@ -100,7 +104,12 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
     15 GB of files); dummy-echo: the same, made to echo its input (`make_echo`).
 
     bf16 on CPU is made row-invariant (`row_invariant`), whatever `attn` asks for: without
-    that, greedy verification there would not be exact."""
+    that, greedy verification there would not be exact. `rows_invariant=False` leaves the
+    model as loaded, for one that is to be saved: the row-invariant wrappers rename every
+    linear layer's weights.
+
+    Raises MissingWeights where the checkpoint lacks weights the model has: transformers
+    would start them at random and warn, and the model would serve noise."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dummy = load_format != "auto"
@@ -118,9 +127,14 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
         if load_format == "dummy-echo":
             make_echo(model)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], **extra)
+        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], output_loading_info=True,
+                                                           **extra)
+        if info["missing_keys"]:
+            missing = sorted(info["missing_keys"])
+            raise MissingWeights(f"{path}: the checkpoint lacks {len(missing)} of the model's weights "
+                                 f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     model.to(device).eval()
-    if device == "cpu" and dtype == "bf16":
+    if rows_invariant and device == "cpu" and dtype == "bf16":
         make_rows_invariant(model)
     return LoadedModel(model, tokenizer, path)
 

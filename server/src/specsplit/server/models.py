@@ -230,17 +230,25 @@ def _prepared_marker(directory: Path) -> Path:
     return directory / "specsplit-prepared.json"
 
 
+# Raised when what prepare_target writes changes, so that older directories are made again:
+# format 1 (before this number) saved bf16 targets with CPU serving's row-invariant wrappers
+# around every linear layer, under names that loading then did not find (random weights).
+PREPARED_FORMAT = 2
+
+
 def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
     """Dequantize a GGUF target once and save it as a Hugging Face directory."""
     from specsplit.server.loading import load_model, source_sha256
 
     sha = source_sha256(str(gguf))
     marker = _prepared_marker(out)
-    if marker.is_file() and json.loads(marker.read_text()).get("source_sha256") == sha:
-        log.info("%s: already prepared", out)
-        return out
+    if marker.is_file():
+        made = json.loads(marker.read_text())
+        if made.get("source_sha256") == sha and made.get("format") == PREPARED_FORMAT:
+            log.info("%s: already prepared", out)
+            return out
     log.info("converting %s to a %s Hugging Face directory (about a minute)", gguf.name, dtype)
-    loaded = load_model(str(gguf), dtype=dtype)
+    loaded = load_model(str(gguf), dtype=dtype, rows_invariant=False)
     # A model loaded from GGUF carries a quantization marker that save_pretrained refuses.
     loaded.model.hf_quantizer = None
     if hasattr(loaded.model.config, "quantization_config"):
@@ -249,7 +257,8 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     loaded.model.save_pretrained(tmp)
     loaded.tokenizer.save_pretrained(tmp)
-    _prepared_marker(tmp).write_text(json.dumps({"source": str(gguf), "source_sha256": sha, "dtype": dtype}))
+    _prepared_marker(tmp).write_text(json.dumps({"source": str(gguf), "source_sha256": sha, "dtype": dtype,
+                                                 "format": PREPARED_FORMAT}))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

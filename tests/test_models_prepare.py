@@ -1,0 +1,54 @@
+"""Preparing the target: what is saved loads back as the same model, and a checkpoint that
+lacks weights is refused instead of served with random ones."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specsplit.server.loading import MissingWeights, load_model
+from specsplit.server.models import PREPARED_FORMAT, prepare_target
+
+
+def _logits(path: str) -> torch.Tensor:
+    model = load_model(path, dtype="bf16").model
+    with torch.inference_mode():
+        return model(torch.tensor([[5, 6, 7, 8, 9]])).logits.float()
+
+
+def test_a_prepared_bf16_target_loads_back_with_every_weight(tiny, tmp_path) -> None:
+    """bf16 on CPU is served with wrappers around every linear layer; the prepared directory
+    holds the plain model (a wrapped one saved every linear weight under another name, and
+    loading it back left them all random)."""
+    out = prepare_target(tiny.target_dir, tmp_path / "prepared", dtype="bf16")
+    assert json.loads((out / "specsplit-prepared.json").read_text())["format"] == PREPARED_FORMAT
+    assert not any(".linear." in key for key in load_file(str(out / "model.safetensors")))
+    assert torch.equal(_logits(str(out)), _logits(str(tiny.target_dir)))
+
+
+def test_a_directory_prepared_by_an_older_format_is_made_again(tiny, tmp_path) -> None:
+    out = prepare_target(tiny.target_dir, tmp_path / "prepared", dtype="bf16")
+    marker = out / "specsplit-prepared.json"
+    made = json.loads(marker.read_text())
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    assert prepare_target(tiny.target_dir, out, dtype="bf16") == out  # current: kept
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    marker.write_text(json.dumps({k: v for k, v in made.items() if k != "format"}))  # as format 1 wrote it
+    prepare_target(tiny.target_dir, out, dtype="bf16")
+    assert (out / "model.safetensors").stat().st_mtime_ns != stamp
+    assert json.loads(marker.read_text())["format"] == PREPARED_FORMAT
+
+
+def test_a_checkpoint_that_lacks_weights_is_refused(tiny, tmp_path) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny.target_dir, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[key.replace("q_proj.", "q_proj.linear.")] = weights.pop(key)  # what format 1 saved
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MissingWeights, match="lacks 1 of the model's weights"):
+        load_model(str(broken))
