@@ -92,6 +92,7 @@ def test_the_fused_engine_compiles_everything_before_serving(tiny) -> None:
     no session's pass waits for a compile."""
     engine = StaticEngine(load_model(str(tiny.target_dir)), slots=3, max_len=160, fuse=True)
     compiled = dict(dynamo_counters["stats"])
+    assert engine.fused and compiled["unique_graphs"] > 0  # compiled, not fallen back to eager
     states, prompts = [engine.new_state() for _ in range(3)], [list(range(3, 3 + n)) for n in (9, 12, 15)]
     # Feeds (rows x tokens): 3 prompts, 3 single tokens, 1 token and 2 drafts, 1 token.
     for batch, drafts in (([0, 1, 2], []), ([0, 1, 2], []), ([0], [7, 8]), ([0], [])):
@@ -100,16 +101,23 @@ def test_the_fused_engine_compiles_everything_before_serving(tiny) -> None:
     assert dict(dynamo_counters["stats"]) == compiled
 
 
-def test_a_machine_that_cannot_compile_serves_with_eager_modules(tiny, monkeypatch, caplog) -> None:
-    """--fuse where torch.compile cannot build its kernels (a slim image without a compiler):
-    the engine says so and runs the original modules, with the same rows."""
+@pytest.mark.parametrize("obstacle", ["onnxruntime linears", "no compiler"])
+def test_where_compiling_fails_the_engine_serves_with_eager_modules(tiny, monkeypatch, caplog, obstacle) -> None:
+    """--fuse where torch.compile cannot build its kernels (a slim image without a compiler),
+    or cannot trace the modules (ONNX Runtime's linear layers, which an fp32 CPU server uses
+    by default): the engine says so and runs the original modules, with the same rows."""
     import torch._dynamo
     import torch._inductor.config
 
+    from specsplit.server.cpu_linear import use_mlas_linears
+
     torch._dynamo.reset()  # compiled code from other tests would be reused, not rebuilt
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler",))
     loaded = load_model(str(tiny.target_dir))
+    if obstacle == "no compiler":
+        monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+        monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler",))
+    else:
+        assert use_mlas_linears(loaded.model, min_weights=0)
     with caplog.at_level("WARNING"):
         engine = StaticEngine(loaded, slots=2, max_len=160, fuse=True)
     assert engine.fused == 0 and "running them eagerly" in caplog.text

@@ -30,14 +30,14 @@ def test_a_prepared_bf16_target_loads_back_with_every_weight(tiny, tmp_path) -> 
 
 def test_a_directory_prepared_by_an_older_format_is_made_again(tiny, tmp_path) -> None:
     out = prepare_target(tiny.target_dir, tmp_path / "prepared", dtype="bf16")
-    marker = out / "specsplit-prepared.json"
+    marker, sentinel = out / "specsplit-prepared.json", out / "sentinel"
     made = json.loads(marker.read_text())
-    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    sentinel.touch()  # gone if the directory is made again (it is written beside and swapped in)
     assert prepare_target(tiny.target_dir, out, dtype="bf16") == out  # current: kept
-    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    assert sentinel.exists()
     marker.write_text(json.dumps({k: v for k, v in made.items() if k != "format"}))  # as format 1 wrote it
     prepare_target(tiny.target_dir, out, dtype="bf16")
-    assert (out / "model.safetensors").stat().st_mtime_ns != stamp
+    assert not sentinel.exists()
     assert json.loads(marker.read_text())["format"] == PREPARED_FORMAT
 
 

@@ -12,11 +12,12 @@ or model took minutes and ran slower there.
 from __future__ import annotations
 
 import torch
-import torch._dynamo  # its exceptions are named below
+import torch._dynamo  # its config is set below
 
-# What compiling can fail with where no compiler can be had (Triton builds a small C helper on
-# first use; a slim container image has no C compiler): the caller falls back to eager modules.
-CompileFailed = torch._dynamo.exc.BackendCompilerFailed
+# Room for every layer's modules, should a torch build keep a graph per module instance
+# rather than per class, and for norms that see inputs of several ranks (a model with query
+# and key norms): above that, dynamo leaves the rest eager, correct but unfused.
+RECOMPILE_LIMIT = 64
 
 
 def _fusable(module: torch.nn.Module) -> bool:
@@ -32,8 +33,10 @@ def fuse_pointwise(model: torch.nn.Module) -> Replaced:
     by its torch.compile'd self, compiled lazily on first use. Returns what it replaced.
 
     Shapes are dynamic, so one compiled graph serves every pass shape but those with a
-    single row or a single token (sizes 1 are specialised): four per class, shared by all
-    the layers' modules of that class, well within dynamo's recompile limit."""
+    single row or a single token (sizes 1 are specialised): four per class and input rank,
+    shared by all the layers' modules of that class. The replaced modules' names gain
+    `_orig_mod.`: a fused model is for serving, not for saving (`unfuse` first)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     replaced: Replaced = []
     for parent in list(model.get_decoder().modules()):  # listed first: a compiled module wraps the original
         for name, child in list(parent.named_children()):

@@ -26,7 +26,7 @@ import torch
 from transformers import AttentionInterface
 
 from specsplit.server.engine import KVState, VerifyItem
-from specsplit.server.fusion import CompileFailed, fuse_pointwise, unfuse
+from specsplit.server.fusion import fuse_pointwise, unfuse
 from specsplit.server.loading import LoadedModel
 
 # Past 32 rows, steps of 8, and past 128 of an eighth of the power of two below: 132 rows pad
@@ -159,18 +159,23 @@ class StaticEngine:
     @torch.inference_mode()
     def _fuse(self) -> int:
         """Compile the norms and MLPs, and compile them now with small eager passes into the
-        spare slot: a machine that cannot compile falls back to eager modules here rather than
-        failing in the first graph capture, and no session waits for a compile (without
-        graphs nothing else would compile them before serving). Returns how many."""
+        spare slot: where compiling fails, the engine falls back to eager modules here rather
+        than failing in the first graph capture, and no session waits for a compile (without
+        graphs nothing else would compile them before serving). Returns how many.
+
+        Compiling can fail in more ways than one: no C compiler for Triton's or inductor's
+        code (a slim container image), or modules dynamo cannot trace (ONNX Runtime's linear
+        layers on an fp32 CPU, `cpu_linear`). The probe passes are throwaway, so any error
+        in them means: serve the modules as they were."""
         replaced = fuse_pointwise(self.model)
         try:
             # Sizes of 1 are compiled apart, and two equal sizes would be taken as one (duck sizing).
             for rows, tokens in ((2, 3), (2, 1), (1, 2), (1, 1)):
                 self._forward(self._inputs(rows, tokens))
-        except CompileFailed as exc:
+        except Exception as exc:  # noqa: BLE001 - see above; the eager modules are checked by every pass
             unfuse(replaced)
-            log.warning("cannot compile the target's norms and MLPs, running them eagerly: %s",
-                        str(exc).strip().splitlines()[0])
+            log.warning("cannot compile the target's norms and MLPs, running them eagerly: %s: %s",
+                        type(exc).__name__, (str(exc).strip().splitlines() or [""])[0])
             return 0
         return len(replaced)
 
