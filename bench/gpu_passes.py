@@ -163,9 +163,9 @@ def render(report: dict) -> str:
     weights = f"weights of {report['target']}" if report.get("target") else "random weights"
     engine = f"{report['engine']} engine"
     if report["engine"] == "static":
-        fused = [res.get("fused_modules") for res in report["archs"].values()]
-        if None in fused:  # reports from before the engine's count was kept: what --fuse asked for
-            fused = [report.get("fuse") or (report.get("fuse") is None and report["device"] == "cuda")]
+        # Reports from before the engine's count was kept say what --fuse asked for, or (older
+        # still, before fusing existed) nothing: eager.
+        fused = [res.get("fused_modules", report.get("fuse") or 0) for res in report["archs"].values()]
         engine += ", norms and MLPs " + ("compiled" if all(fused) else "eager" if not any(fused) else "partly compiled")
     lines = [f"# Engine passes and batching divergence ({engine}, {report['dtype']}, {weights})", "",
              f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report.get('torch', '?')}; {report['threads']} thread(s); "

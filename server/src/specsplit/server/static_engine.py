@@ -172,7 +172,7 @@ class StaticEngine:
             # Sizes of 1 are compiled apart, and two equal sizes would be taken as one (duck sizing).
             for rows, tokens in ((2, 3), (2, 1), (1, 2), (1, 1)):
                 self._forward(self._inputs(rows, tokens))
-        except Exception as exc:  # noqa: BLE001 - see above; the eager modules are checked by every pass
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the modules as they were still serve
             unfuse(replaced)
             log.warning("cannot compile the target's norms and MLPs, running them eagerly: %s: %s",
                         type(exc).__name__, (str(exc).strip().splitlines() or [""])[0])
