@@ -1,4 +1,4 @@
-"""Target pass times and batching divergence of the server's engine, on random weights.
+"""Target pass times and batching divergence of the server's engine, on random or real weights.
 
 Two questions the capacity report rests on:
 1. What does one verification pass cost as sessions and tokens per session grow?
@@ -146,9 +146,26 @@ def logit_noise(engine: Engine, prompts: list[list[int]]) -> dict:
             "median_top2_gap": float(np.median(gaps)), "min_top2_gap": float(min(gaps))}
 
 
-def batching_divergence(engine: Engine, sessions: int, steps: int, k: int) -> dict:
+def chat_prompts(target: Path, sessions: int) -> list[list[int]]:
+    """The benchmark's prompts under the target's chat template, repeated to `sessions`: a
+    trained model's margins on text it was trained for, not on random ids, decide how often
+    batching flips its greedy choice."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    texts = [p["text"] for p in json.loads((HERE / "prompts.json").read_text())["prompts"]]
+    ids = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
+                                   return_dict=True)["input_ids"] for t in texts]
+    return [list(map(int, ids[i % len(ids)])) for i in range(sessions)]
+
+
+def batching_divergence(engine: Engine, sessions: int, steps: int, k: int,
+                        prompts: list[list[int]] | None = None) -> dict:
+    """`prompts` None: random ids of random lengths (random weights have no text to read)."""
     rng = np.random.default_rng(1)
-    prompts = [list(map(int, rng.integers(0, engine.vocab_size, int(rng.integers(8, 64))))) for _ in range(sessions)]
+    if prompts is None:
+        prompts = [list(map(int, rng.integers(0, engine.vocab_size, int(rng.integers(8, 64)))))
+                   for _ in range(sessions)]
     alone = [decode_alone(engine, p, steps) for p in prompts]
     again = [decode_alone(engine, p, steps) for p in prompts]  # control: is decoding alone repeatable?
     lockstep = decode_batched(engine, prompts, steps, None, k, 0.0, rng)
@@ -177,8 +194,9 @@ def render(report: dict) -> str:
         d = res.get("divergence")
         if d:
             g = d["logits"]
-            lines += ["", f"Greedy decoding of {d['lockstep_vs_alone']['sessions']} sessions for {d['steps']} tokens, "
-                      "alone vs in shared passes:", "",
+            source = "the benchmark's prompts, chat template applied" if report.get("target") else "random prompts"
+            lines += ["", f"Greedy decoding of {d['lockstep_vs_alone']['sessions']} sessions ({source}) for "
+                      f"{d['steps']} tokens, alone vs in shared passes:", "",
                       f"- alone, twice (control): {d['alone_again_vs_alone']['sessions_diverged']} sessions differ",
                       f"- lockstep steps: {d['lockstep_vs_alone']['sessions_diverged']} sessions differ "
                       f"(first differences at {d['lockstep_vs_alone']['first_divergence_at']})",
@@ -244,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                                               [int(x) for x in args.tokens.split(",")], args.kv_len, args.repeats)}
             if args.divergence_sessions:
                 print(f"{arch}: divergence check", file=sys.stderr, flush=True)
-                res["divergence"] = batching_divergence(engine, args.divergence_sessions, args.divergence_steps, 8)
+                prompts = chat_prompts(args.target, args.divergence_sessions) if args.target else None
+                res["divergence"] = batching_divergence(engine, args.divergence_sessions, args.divergence_steps, 8,
+                                                        prompts)
             report["archs"][Path(arch).name] = res
             del engine
             if args.device == "cuda":
