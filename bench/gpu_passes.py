@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from loadtest.machine import machine_info
+from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS, write_config_target
 from specsplit.server import models
 from specsplit.server.cpu_linear import use_mlas_linears
@@ -194,7 +195,7 @@ def render(report: dict) -> str:
         d = res.get("divergence")
         if d:
             g = d["logits"]
-            source = "the benchmark's prompts, chat template applied" if report.get("target") else "random prompts"
+            source = "the benchmark's prompts cycled, chat template applied" if report.get("target") else "random prompts"
             lines += ["", f"Greedy decoding of {d['lockstep_vs_alone']['sessions']} sessions ({source}) for "
                       f"{d['steps']} tokens, alone vs in shared passes:", "",
                       f"- alone, twice (control): {d['alone_again_vs_alone']['sessions_diverged']} sessions differ",
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for the linear layers, fp32 only)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--name", default=None, help="default: gpu-passes-ENGINE")
+    p.add_argument("--out-dir", type=Path, default=HERE / "results", help="where NAME.json and NAME.md go "
+                   "(default: bench/results)")
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if args.fuse and args.engine != "static":
         p.error("--fuse compiles the static engine's modules; it needs --engine static")
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                     "fuse": args.fuse, "torch": torch.__version__,
                     "target": args.target.name if args.target else None, "cpu_linear": args.cpu_linear,
                     "threads": torch.get_num_threads(),
-                    "rerun": "python bench/gpu_passes.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "rerun": rerun_command("bench/gpu_passes.py", argv,
+                                           {"--target": "TARGET_DIR", "--out-dir": "OUT_DIR"}),
                     "archs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
@@ -269,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             del engine
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
+    out = args.out_dir
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{args.name}.md").write_text(render(report))
     print(render(report))

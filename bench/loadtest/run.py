@@ -23,10 +23,10 @@ if not __package__:
 
 import argparse  # noqa: E402
 import os  # noqa: E402
-import shlex  # noqa: E402
 
 from loadtest.harness import RunOptions, execute  # noqa: E402
 from loadtest.report import write_report  # noqa: E402
+from loadtest.rerun import rerun_command  # noqa: E402
 from loadtest.sessions import LoadSettings  # noqa: E402
 from loadtest.sweep import MODES, SweepConfig  # noqa: E402
 from loadtest.targets import ARCHS  # noqa: E402
@@ -55,19 +55,6 @@ def split_cores(server: tuple[int, ...] | None,
     if client is None:
         client = tuple(c for c in cores if c not in server) if server else ()
     return server, client
-
-
-def rerun_command(argv: list[str]) -> str:
-    """This run's command line, with local paths replaced by placeholders."""
-    out = []
-    for i, arg in enumerate(argv):
-        name, eq, _ = arg.partition("=")
-        if eq and name in PATH_OPTIONS:
-            arg = f"{name}={PATH_OPTIONS[name]}"
-        elif i > 0 and argv[i - 1] in PATH_OPTIONS:
-            arg = PATH_OPTIONS[argv[i - 1]]
-        out.append(arg)
-    return shlex.join(["python", "bench/loadtest/run.py", *out])
 
 
 def log(message: str) -> None:
@@ -160,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype, server_args=tuple(args.server_arg), server_cores=server_cores,
         server_threads=args.server_threads or max(1, len(server_cores)),
         client_cores=client_cores, client_procs=args.client_procs,
-        server_log=args.server_log, rerun=rerun_command(argv),
+        server_log=args.server_log, rerun=rerun_command("bench/loadtest/run.py", argv, PATH_OPTIONS),
     )
     report = execute(opts, cfg, settings, log)
     json_path, md_path = write_report(report, args.out_dir, args.name)
