@@ -18,10 +18,17 @@ from specsplit.common.export_meta import DraftExportMeta
 from specsplit.server import models
 from specsplit.server.loading import resolve_dtype
 
-# The default pair agrees on 60 to 90% of drafts; a target or draft with wrong weights on ~0%.
+# The default pair agrees on most of its drafts; a target or draft with wrong weights on ~0%.
+# Judged only over enough drafts that a sound pair cannot fall under it by chance.
 MIN_ACCEPTANCE = 0.10
+MIN_DRAFTS_JUDGED = 20
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
+
+
+def weights_suspect(split: dict) -> bool:
+    """The draft and the target agreed on almost none of enough drafts: one has wrong weights."""
+    return split["drafts_proposed"] >= MIN_DRAFTS_JUDGED and split["acceptance_rate"] < MIN_ACCEPTANCE
 
 
 def problems(split: dict, alone: dict) -> list[str]:
@@ -29,9 +36,9 @@ def problems(split: dict, alone: dict) -> list[str]:
     found = []
     if split["token_ids"] != alone["token_ids"]:
         found.append("the split output differs from the server-alone output")
-    if split["acceptance_rate"] < MIN_ACCEPTANCE:
-        found.append(f"the draft and the target agreed on {split['acceptance_rate']:.0%} of drafts (the default pair "
-                     "agrees on most): one of them has wrong weights")
+    if weights_suspect(split):
+        found.append(f"the draft and the target agreed on {split['acceptance_rate']:.0%} of "
+                     f"{split['drafts_proposed']} drafts (the default pair agrees on most): one of them has wrong weights")
     return found
 
 
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     found = problems(split, alone)
     for problem in found:
         print(f"error: {problem}", file=sys.stderr)
-    if split["acceptance_rate"] < MIN_ACCEPTANCE:
+    if weights_suspect(split):
         print(f"to prepare both models again from their checked GGUF files, delete {pair.target_dir.parent} "
               "and run this again", file=sys.stderr)
     return 1 if found else 0

@@ -8,10 +8,12 @@ Two questions the capacity report rests on:
    taken from the alone run with some corrupted); the report counts the sessions whose
    tokens differ from the alone run, and where the first difference falls. In fp32 on
    CPU none may differ; in bf16 on a GPU a batch's different kernels may flip near-ties.
+   Random weights decode random ids; a real model (`--target`) decodes the benchmark's
+   prompts under its chat template, since its margins on text decide how often that happens.
 
 Runs on CPU too (`--arch tiny`), which is how its code is kept working without a GPU;
 `--target DIR` times a real model instead (the CPU report compares `--cpu-linear` settings
-on the default target that way). Writes bench/results/<name>.json and .md.
+on the default target that way). Writes NAME.json and .md into --out-dir (bench/results).
 """
 from __future__ import annotations
 
@@ -125,10 +127,13 @@ def decode_batched(engine: Engine, prompts: list[list[int]], steps: int, drafts_
 
 
 def divergence(alone: list[list[int]], other: list[list[int]]) -> dict:
+    """Sessions whose tokens differ; `first_divergence_at` holds 0-based token indices, and
+    `diverged` (session, index) pairs, so that repeated prompts can be told apart."""
     first = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(alone, other)]
-    diverged = [f for f in first if f is not None]
+    diverged = [(i, f) for i, f in enumerate(first) if f is not None]
     return {"sessions": len(alone), "sessions_diverged": len(diverged),
-            "divergence_rate": len(diverged) / len(alone), "first_divergence_at": sorted(diverged)}
+            "divergence_rate": len(diverged) / len(alone), "first_divergence_at": sorted(f for _, f in diverged),
+            "diverged": diverged}
 
 
 def logit_noise(engine: Engine, prompts: list[list[int]]) -> dict:
@@ -164,6 +169,7 @@ def batching_divergence(engine: Engine, sessions: int, steps: int, k: int,
                         prompts: list[list[int]] | None = None) -> dict:
     """`prompts` None: random ids of random lengths (random weights have no text to read)."""
     rng = np.random.default_rng(1)
+    source = "random ids" if prompts is None else "the benchmark's prompts cycled, chat template applied"
     if prompts is None:
         prompts = [list(map(int, rng.integers(0, engine.vocab_size, int(rng.integers(8, 64)))))
                    for _ in range(sessions)]
@@ -171,7 +177,7 @@ def batching_divergence(engine: Engine, sessions: int, steps: int, k: int,
     again = [decode_alone(engine, p, steps) for p in prompts]  # control: is decoding alone repeatable?
     lockstep = decode_batched(engine, prompts, steps, None, k, 0.0, rng)
     speculative = decode_batched(engine, prompts, steps, alone, k, 0.3, rng)
-    return {"steps": steps, "k": k, "corrupted_drafts": 0.3, "alone_again_vs_alone": divergence(alone, again),
+    return {"steps": steps, "k": k, "corrupted_drafts": 0.3, "prompts": source, "alone_again_vs_alone": divergence(alone, again),
             "lockstep_vs_alone": divergence(alone, lockstep), "speculative_vs_alone": divergence(alone, speculative),
             "logits": logit_noise(engine, prompts)}
 
@@ -195,7 +201,7 @@ def render(report: dict) -> str:
         d = res.get("divergence")
         if d:
             g = d["logits"]
-            source = "the benchmark's prompts cycled, chat template applied" if report.get("target") else "random prompts"
+            source = d.get("prompts", "random ids")  # reports from before the key decoded random ids
             lines += ["", f"Greedy decoding of {d['lockstep_vs_alone']['sessions']} sessions ({source}) for "
                       f"{d['steps']} tokens, alone vs in shared passes:", "",
                       f"- alone, twice (control): {d['alone_again_vs_alone']['sessions_diverged']} sessions differ",
@@ -225,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server's --engine (static: slot cache, CUDA graphs on GPU)")
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's --fuse (static engine: norms and MLPs compiled; default: on a GPU)")
-    p.add_argument("--target", help="time a real model's weights instead of --arch configs: a model directory, "
-                   "or 'default' for the default pair's target (prepared into the model cache if needed)")
+    p.add_argument("--target", help="time a real model's weights instead of --arch configs, and decode the "
+                   "benchmark's chat prompts in the divergence check: a model directory, or 'default' for the "
+                   "default pair's target (prepared into the model cache if needed)")
     p.add_argument("--cpu-linear", choices=["default", "onnxruntime"], default="default",
                    help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for the linear layers, fp32 only)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                     "target": args.target.name if args.target else None, "cpu_linear": args.cpu_linear,
                     "threads": torch.get_num_threads(),
                     "rerun": rerun_command("bench/gpu_passes.py", argv,
-                                           {"--target": "TARGET_DIR", "--out-dir": "OUT_DIR"}),
+                                           {"--target": "TARGET_DIR", "--out-dir": "OUT_DIR"}, keep={"default"}),
                     "archs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:

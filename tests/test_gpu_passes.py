@@ -12,7 +12,9 @@ def test_rerun_line_hides_local_paths_but_keeps_default() -> None:
     placeholders = {"--target": "TARGET_DIR", "--out-dir": "OUT_DIR"}
     line = rerun_command("bench/x.py", ["--target", "/m/t", "--out-dir=/r", "--name", "n"], placeholders)
     assert line == "python bench/x.py --target TARGET_DIR --out-dir=OUT_DIR --name n"
-    assert rerun_command("bench/x.py", ["--target", "default"], placeholders) == "python bench/x.py --target default"
+    assert rerun_command("bench/x.py", ["--target", "default"], placeholders, keep={"default"}) == \
+        "python bench/x.py --target default"
+    assert rerun_command("bench/x.py", ["--target", "default"], placeholders) == "python bench/x.py --target TARGET_DIR"
 
 
 def test_a_real_target_decodes_the_benchmark_prompts_and_the_report_names_no_local_path(
@@ -29,5 +31,6 @@ def test_a_real_target_decodes_the_benchmark_prompts_and_the_report_names_no_loc
     div = report["archs"][tiny.target_dir.name]["divergence"]
     assert div["lockstep_vs_alone"]["sessions_diverged"] == 0  # fp32 on CPU: batching changes nothing
     assert div["speculative_vs_alone"]["sessions_diverged"] == 0
+    assert div["prompts"].startswith("the benchmark's prompts")  # what the check decoded, recorded by it
     assert str(tmp_path) not in report["rerun"] and "--target TARGET_DIR" in report["rerun"]
     assert "the benchmark's prompts" in (out / "gp.md").read_text()
