@@ -30,6 +30,8 @@ import torch
 from loadtest.machine import machine_info
 from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS, write_config_target
+from prompt_set import benchmark_prompts
+from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.server import models
 from specsplit.server.cpu_linear import use_mlas_linears
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
@@ -156,13 +158,9 @@ def chat_prompts(target: Path, sessions: int) -> list[list[int]]:
     """The benchmark's prompts under the target's chat template, repeated to `sessions`: a
     trained model's margins on text it was trained for, not on random ids, decide how often
     batching flips its greedy choice."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(target))
-    texts = [p["text"] for p in json.loads((HERE / "prompts.json").read_text())["prompts"]]
-    ids = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
-                                   return_dict=True)["input_ids"] for t in texts]
-    return [list(map(int, ids[i % len(ids)])) for i in range(sessions)]
+    tok = EdgeTokenizer(target)  # as the edge encodes them in the benchmark
+    ids = [tok.encode(tok.chat_prompt(p["text"])) for p in benchmark_prompts()]
+    return [ids[i % len(ids)] for i in range(sessions)]
 
 
 def batching_divergence(engine: Engine, sessions: int, steps: int, k: int,
@@ -177,8 +175,8 @@ def batching_divergence(engine: Engine, sessions: int, steps: int, k: int,
     again = [decode_alone(engine, p, steps) for p in prompts]  # control: is decoding alone repeatable?
     lockstep = decode_batched(engine, prompts, steps, None, k, 0.0, rng)
     speculative = decode_batched(engine, prompts, steps, alone, k, 0.3, rng)
-    return {"steps": steps, "k": k, "corrupted_drafts": 0.3, "prompts": source, "alone_again_vs_alone": divergence(alone, again),
-            "lockstep_vs_alone": divergence(alone, lockstep), "speculative_vs_alone": divergence(alone, speculative),
+    return {"steps": steps, "k": k, "corrupted_drafts": 0.3, "prompts": source,
+            "alone_again_vs_alone": divergence(alone, again), "lockstep_vs_alone": divergence(alone, lockstep), "speculative_vs_alone": divergence(alone, speculative),
             "logits": logit_noise(engine, prompts)}
 
 

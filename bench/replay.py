@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import replay_model as rm
+from prompt_set import benchmark_prompts
 from specsplit.edge.drafter import Drafter
 from tqdm import tqdm
 
@@ -174,7 +175,7 @@ def main() -> None:
 
     draft_dir = args.draft or models.prepare().draft_dir
     tokenizer, drafter = EdgeTokenizer(draft_dir), OnnxDrafter(draft_dir, threads=1)
-    texts = {q["id"]: q["text"] for q in json.loads((HERE / "prompts.json").read_text())["prompts"]}
+    texts = {q["id"]: q["text"] for q in benchmark_prompts()}
     agreements = {}
     for prompt, run in tqdm(nones.items(), desc="draft agreement", unit="prompt"):
         drafter.reset()

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from netem_proxy import LinkConfig, NetemProxy
 from orchestrate import machine, pin, run_edge, running_server
+from prompt_set import benchmark_prompts
 from report import render_markdown, summarize
 from runlog import RunLog, SettingsMismatch
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
         os.sched_setaffinity(0, {EDGE_CORE})  # the driver and the proxy stay off the server's core
-    prompts = json.loads((HERE / "prompts.json").read_text())["prompts"]
+    prompts = benchmark_prompts()
     prompts = prompts[: args.prompts] if args.prompts else prompts
     pair = models.prepare()
     header = {
