@@ -28,10 +28,9 @@ import numpy as np
 import torch
 
 from loadtest.machine import machine_info
+from loadtest.prompts import load_prompts
 from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS, write_config_target
-from prompt_set import benchmark_prompts
-from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.server import models
 from specsplit.server.cpu_linear import use_mlas_linears
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
@@ -158,9 +157,8 @@ def chat_prompts(target: Path, sessions: int) -> list[list[int]]:
     """The benchmark's prompts under the target's chat template, repeated to `sessions`: a
     trained model's margins on text it was trained for, not on random ids, decide how often
     batching flips its greedy choice."""
-    tok = EdgeTokenizer(target)  # as the edge encodes them in the benchmark
-    ids = [tok.encode(tok.chat_prompt(p["text"])) for p in benchmark_prompts()]
-    return [ids[i % len(ids)] for i in range(sessions)]
+    ids = load_prompts(target, "benchmark").ids  # as the benchmark's edges encode them
+    return [list(ids[i % len(ids)]) for i in range(sessions)]
 
 
 def batching_divergence(engine: Engine, sessions: int, steps: int, k: int,

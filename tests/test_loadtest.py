@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import session_speeds
 from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
 from loadtest.timeline import Acceptance
+from prompt_set import benchmark_prompts
 from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from specsplit.edge.tokenizer import EdgeTokenizer
 
@@ -78,6 +80,31 @@ def test_simulated_edges_branch_beside_wrong_drafts_losslessly(tiny, running, re
     assert point["errors"] == {"total": 0, "by_code": {}} and point["mismatched_outputs"] == 0
     sim = point["acceptance"]["sim"]
     assert sim["rejections"] > 0 and sim["branches_taken"] > 0, sim
+
+
+def test_the_benchmark_prompts_are_sent_as_its_edges_send_them_and_served_losslessly(tiny, running) -> None:
+    server = running[1].server
+    prompts = load_prompts(tiny.target_dir, "benchmark")
+    edge = EdgeTokenizer(tiny.draft_dir)
+    texts = [p["text"] for p in benchmark_prompts()]
+    assert len(prompts.ids) == len(texts) == 12
+    assert prompts.ids == tuple(tuple(edge.encode(edge.chat_prompt(t))) for t in texts)
+    assert prompts.fingerprint == load_prompts(tiny.target_dir).fingerprint  # the server accepts the edges
+    references = reference_continuations(server.address, prompts, MAX_NEW)
+    settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=3, duration_s=None, generations=2)
+    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+                    settings, str(tiny.draft_dir))
+    point = run_point(server, spec, ["sim"] * 2 + ["onnx", "none"])
+    assert point["errors"]["total"] == 0 and point["generations"] == 4 * 2
+    assert point["mismatched_outputs"] == 0
+
+
+def test_a_prompt_set_that_cannot_be_made_is_refused(tiny, tmp_path) -> None:
+    with pytest.raises(ValueError, match="prompt set must be one of"):
+        load_prompts(tiny.target_dir, "chat")
+    shutil.copy(tiny.target_dir / "tokenizer.json", tmp_path / "tokenizer.json")  # no template beside it
+    with pytest.raises(ValueError, match="chat template"):
+        load_prompts(tmp_path, "benchmark")
 
 
 def test_simulated_drafter_offers_a_branch_only_beside_a_wrong_draft_once() -> None:
@@ -140,6 +167,7 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
     assert [p["sessions"] for p in got["results"]["onnx"]] == [2]  # its own counts
     assert got["settings"]["sessions"] == {"none": [1, 2], "sim": [1, 2], "onnx": [2]}
     assert "| N | session tok/s min" in md_path.read_text()
+    assert got["prompt_set"] == "stubs" and "6 prompts cycled (short plain-text openings)" in md_path.read_text()
     short = capacity(got)  # the form bench/results/capacity-gpu.json takes
     for key in ("device", "target_config", "alpha", "slo_tokens_per_s", "baseline_sessions_at_slo",
                 "split_sessions_at_slo", "errors"):

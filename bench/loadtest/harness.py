@@ -38,6 +38,7 @@ class RunOptions:
     client_procs: int = 1
     server_log: Path | None = None  # None: a temporary file, shown in part if the run fails
     rerun: str = ""  # the command line that reproduces the run, for the report
+    prompt_set: str = "stubs"  # loadtest.prompts.PROMPT_SETS
 
 
 @contextmanager
@@ -68,7 +69,7 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
         log("preparing models ...")
         models = choose_models(Path(tmp), opts.target, opts.target_config, opts.draft, "onnx" in cfg.modes)
-        prompts = load_prompts(models.target_dir)
+        prompts = load_prompts(models.target_dir, opts.prompt_set)
         metrics_port = free_port()
         # The session limit is not under test: room for the largest point, with margin.
         server_args = ("--max-sessions", str(2 * cfg.most()), "--device", opts.device, *models.server_args,
@@ -108,6 +109,7 @@ def sweep_and_report(running: Running, opts: RunOptions, cfg: SweepConfig, setti
                     "client_cores": list(opts.client_cores), "client_procs": opts.client_procs},
         "models": models.describe(resolve_dtype(opts.dtype, opts.device), opts.device),
         "server_args": ["--dtype", opts.dtype, "--threads", str(opts.server_threads), *running.server_args],
+        "prompt_set": opts.prompt_set,
         "prompts": list(prompts.texts),
         "rerun": opts.rerun,
     }

@@ -4,11 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from prompt_set import benchmark_prompts
 from transformers import AutoTokenizer
 
 from specsplit.common.fingerprint import vocab_fingerprint
+from specsplit.edge.tokenizer import EdgeTokenizer
 
-PROMPTS = (
+STUBS = (
     "def add(a, b):",
     "The quick brown fox",
     "for i in range(10):",
@@ -16,6 +18,11 @@ PROMPTS = (
     "Hello, how are",
     "x = np.zeros",
 )
+# "stubs": six plain-text openings, short for any tokenizer (the capacity runs' prompts).
+# "benchmark": the benchmark's 12 prompts under the target's chat template, as its edges
+# send them: what a trained target reads, and so what decides how often its near-tied
+# choices flip under batching on a GPU.
+PROMPT_SETS = ("stubs", "benchmark")
 
 
 @dataclass(frozen=True)
@@ -25,7 +32,15 @@ class PromptSet:
     fingerprint: str  # the target tokenizer's, as the server checks it at Open
 
 
-def load_prompts(target_dir: Path, texts: tuple[str, ...] = PROMPTS) -> PromptSet:
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
-    ids = tuple(tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in texts)
-    return PromptSet(texts, ids, vocab_fingerprint(tok.get_vocab()))
+def load_prompts(target_dir: Path, prompt_set: str = "stubs") -> PromptSet:
+    if prompt_set == "stubs":
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        ids = tuple(tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in STUBS)
+        return PromptSet(STUBS, ids, vocab_fingerprint(tok.get_vocab()))
+    if prompt_set == "benchmark":
+        edge = EdgeTokenizer(target_dir)  # as the benchmark's edges encode them
+        if not edge.chat_template:
+            raise ValueError(f"the benchmark's prompts need a chat template; {target_dir} has none (use stubs)")
+        texts = tuple(p["text"] for p in benchmark_prompts())
+        return PromptSet(texts, tuple(tuple(edge.encode(edge.chat_prompt(t))) for t in texts), edge.fingerprint)
+    raise ValueError(f"prompt set must be one of {PROMPT_SETS}, got {prompt_set!r}")
