@@ -19,9 +19,9 @@ from loadtest.sessions import GenerationRecord, LoadSettings, LoadSpec, SessionL
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import session_speeds
 from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
+from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from loadtest.timeline import Acceptance
 from prompt_set import benchmark_prompts
-from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from specsplit.edge.tokenizer import EdgeTokenizer
 
 MAX_NEW = 24

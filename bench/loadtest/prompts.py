@@ -18,11 +18,11 @@ STUBS = (
     "Hello, how are",
     "x = np.zeros",
 )
-# "stubs": six plain-text openings, short for any tokenizer (the capacity runs' prompts).
-# "benchmark": the benchmark's 12 prompts under the target's chat template, as its edges
-# send them: what a trained target reads, and so what decides how often its near-tied
+# The sets, and how a report names each. "stubs": short for any tokenizer (the capacity
+# runs' prompts). "benchmark": the benchmark's 12 under the target's chat template, as its
+# edges send them: what a trained target reads, and so what decides how often its near-tied
 # choices flip under batching on a GPU.
-PROMPT_SETS = ("stubs", "benchmark")
+PROMPT_SETS = {"stubs": "short plain-text openings", "benchmark": "the benchmark's, chat template applied"}
 
 
 @dataclass(frozen=True)
@@ -43,4 +43,4 @@ def load_prompts(target_dir: Path, prompt_set: str = "stubs") -> PromptSet:
             raise ValueError(f"the benchmark's prompts need a chat template; {target_dir} has none (use stubs)")
         texts = tuple(p["text"] for p in benchmark_prompts())
         return PromptSet(texts, tuple(tuple(edge.encode(edge.chat_prompt(t))) for t in texts), edge.fingerprint)
-    raise ValueError(f"prompt set must be one of {PROMPT_SETS}, got {prompt_set!r}")
+    raise ValueError(f"prompt set must be one of {tuple(PROMPT_SETS)}, got {prompt_set!r}")

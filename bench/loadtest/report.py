@@ -6,12 +6,9 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from loadtest.prompts import PROMPT_SETS
 from loadtest.sessions import LoadSettings
 from loadtest.sweep import SweepConfig, sessions_at_slo
-
-# How a report names its prompt set (loadtest.prompts.PROMPT_SETS); reports from before
-# the choice carry none and used the stubs.
-_PROMPT_SETS = {"stubs": "short plain-text openings", "benchmark": "the benchmark's, chat template applied"}
 
 MODE_TITLES = {
     "none": "server only (mode none)",
@@ -103,7 +100,7 @@ def render_markdown(report: dict, name: str) -> str:
         f"- network: {report['network']}",
         f"- each point: N sessions, each on its own connection, generating back to back {per_point}; "
         f"{s['max_new_tokens']} new tokens per generation, greedy, {len(report['prompts'])} prompts cycled "
-        f"({_PROMPT_SETS[report.get('prompt_set', 'stubs')]}), "
+        f"({PROMPT_SETS[report.get('prompt_set', 'stubs')]}), "  # reports from before the choice used the stubs
         f"lookahead window {_window(s)}",
         f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
         f"draft delay {s['draft_delay_ms']:g} ms per token, a branch from the right token beside "

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--duration", type=float, default=10.0, help="seconds per point (default 10)")
     length.add_argument("--generations", type=int, help="instead of --duration: generations per session per point")
-    p.add_argument("--prompts", choices=PROMPT_SETS, default="stubs",
+    p.add_argument("--prompts", choices=list(PROMPT_SETS), default="stubs",
                    help="stubs: six short plain-text openings (default); benchmark: the benchmark's 12 prompts "
                    "under the target's chat template, for a trained --target")
     p.add_argument("--max-new-tokens", type=int, default=64, help="per generation (default 64)")
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype, server_args=tuple(args.server_arg), server_cores=server_cores,
         server_threads=args.server_threads or max(1, len(server_cores)),
         client_cores=client_cores, client_procs=args.client_procs,
-        server_log=args.server_log, prompt_set=args.prompts, rerun=rerun_command("bench/loadtest/run.py", argv, PATH_OPTIONS),
+        server_log=args.server_log, prompt_set=args.prompts,
+        rerun=rerun_command("bench/loadtest/run.py", argv, PATH_OPTIONS),
     )
     report = execute(opts, cfg, settings, log)
     json_path, md_path = write_report(report, args.out_dir, args.name)
