@@ -181,33 +181,37 @@ def batching_divergence(engine: Engine, sessions: int, steps: int, k: int,
 def render(report: dict) -> str:
     m = report["machine"]
     weights = f"weights of {report['target']}" if report.get("target") else "random weights"
-    engine = f"{report['engine']} engine"
-    if report["engine"] == "static":
+    kind = report.get("engine", "dynamic")  # reports from before the static engine existed
+    engine = f"{kind} engine"
+    if kind == "static":
         # Reports from before the engine's count was kept say what --fuse asked for, or (older
         # still, before fusing existed) nothing: eager.
         fused = [res.get("fused_modules", report.get("fuse") or 0) for res in report["archs"].values()]
         engine += ", norms and MLPs " + ("compiled" if all(fused) else "eager" if not any(fused) else "partly compiled")
     lines = [f"# Engine passes and batching divergence ({engine}, {report['dtype']}, {weights})", "",
-             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report.get('torch', '?')}; {report['threads']} thread(s); "
-             f"linear layers: {report['cpu_linear']}. Rerun: `{report['rerun']}`", ""]
+             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report.get('torch', '?')}; {report.get('threads', '?')} thread(s); "
+             f"linear layers: {report.get('cpu_linear', '?')}. Rerun: `{report['rerun']}`", ""]
     for arch, res in report["archs"].items():
         lines += [f"## {arch}", "", "| sessions | tokens each | KV length | pass ms (median) |", "| --- | --- | --- | --- |"]
         lines += [f"| {r['sessions']} | {r['tokens_per_session']} | {r['kv_len']} | {r['ms_median']:.1f} |"
                   for r in res["passes"]]
         d = res.get("divergence")
         if d:
-            g = d["logits"]
-            source = d.get("prompts", "random ids")  # reports from before the key decoded random ids
+            # Keys missing from the earliest reports: the prompts (random ids then), the control and the logits.
+            source = d.get("prompts", "random ids")
             lines += ["", f"Greedy decoding of {d['lockstep_vs_alone']['sessions']} sessions ({source}) for "
-                      f"{d['steps']} tokens, alone vs in shared passes:", "",
-                      f"- alone, twice (control): {d['alone_again_vs_alone']['sessions_diverged']} sessions differ",
-                      f"- lockstep steps: {d['lockstep_vs_alone']['sessions_diverged']} sessions differ "
+                      f"{d['steps']} tokens, alone vs in shared passes:", ""]
+            if "alone_again_vs_alone" in d:
+                lines.append(f"- alone, twice (control): {d['alone_again_vs_alone']['sessions_diverged']} sessions differ")
+            lines += [f"- lockstep steps: {d['lockstep_vs_alone']['sessions_diverged']} sessions differ "
                       f"(first differences at {d['lockstep_vs_alone']['first_divergence_at']})",
                       f"- speculative passes (k={d['k']}, {d['corrupted_drafts']:.0%} of drafts wrong): "
                       f"{d['speculative_vs_alone']['sessions_diverged']} sessions differ "
-                      f"(first differences at {d['speculative_vs_alone']['first_divergence_at']})",
-                      f"- batching moves a logit by up to {g['max_abs_logit_change']:.3g}; the top two logits of "
-                      f"these weights are a median {g['median_top2_gap']:.3g} apart (closest {g['min_top2_gap']:.3g})"]
+                      f"(first differences at {d['speculative_vs_alone']['first_divergence_at']})"]
+            if "logits" in d:
+                g = d["logits"]
+                lines.append(f"- batching moves a logit by up to {g['max_abs_logit_change']:.3g}; the top two logits "
+                             f"of these weights are a median {g['median_top2_gap']:.3g} apart (closest {g['min_top2_gap']:.3g})")
         lines.append("")
     return "\n".join(lines)
 

@@ -131,8 +131,8 @@ def render(result: dict) -> str:
         measured = result["measured"].get(mode)
         cells = [f"{measured:.2f}x" if measured is not None else "–"]
         for sc in SCENARIOS:
-            m = result["scenarios"][sc.key][mode]
-            cells.append(f"{m['speedup']:.2f}x ({m['server_idle']:.0%})")
+            m = result["scenarios"].get(sc.key, {}).get(mode)  # results from before a scenario was added lack it
+            cells.append(f"{m['speedup']:.2f}x ({m['server_idle']:.0%})" if m else "–")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

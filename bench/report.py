@@ -143,7 +143,7 @@ def render_markdown(result: dict) -> str:
             f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {r['prompts']} | {_fmt(r['tokens_per_s'])} "
             f"| {_fmt(r['speedup_vs_none'])}x | {_fmt(r['ttft_ms'], '.0f')} "
             f"| {_fmt(r['itl_p50_ms'], '.0f')}/{_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['acceptance_rate'], '.0%')} "
-            f"| {_fmt(r['acceptance_per_position'], '.0%')} "
+            f"| {_fmt(r.get('acceptance_per_position'), '.0%')} "
             f"| {_fmt(r['mean_accepted'])} | {r['drafts_wasted']} | {r['verifications']} "
             f"| {_fmt(r['server_idle_fraction'], '.0%')} | {_fmt(r['bytes_up_per_token'], '.1f')} "
             f"| {_fmt(r['bytes_down_per_token'], '.1f')} | {_fmt(r['identical'])} |"
