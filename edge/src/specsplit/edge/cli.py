@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import grpc
 
 import os
 
+from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import MODES, ConnectOptions, EdgeConfig, StreamStalled, generate
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
@@ -102,7 +104,8 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True,
+                           parser_class=functools.partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
     g = sub.add_parser("generate", help="generate a completion of PROMPT",
                        epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN.")
     g.add_argument("prompt", metavar="PROMPT")
@@ -110,11 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the specsplit server; a comma-separated list fails over in order")
     g.add_argument("--draft", required=True, help="draft export directory (specsplit-server export-draft)")
     g.add_argument("--mode", choices=sorted(MODES), default="async", help="async (default), sync or none")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the likeliest tokens that make up this much probability (1: all)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among this many likeliest tokens (0: all)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampled draws (the same text for the same seed)")
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
                    help="sampled verification: match (default with temperature > 0) or sparse-q")
     g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import sys
 import time
 from pathlib import Path
+
+from specsplit.common.help_format import DefaultsHelpFormatter
 
 # Not __name__: under `python -m` that is __main__, outside the "specsplit" logger whose level main() sets.
 log = logging.getLogger("specsplit.server.cli")
@@ -195,13 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     # top level would reset -v in every command.
     after = argparse.ArgumentParser(add_help=False)
     after.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True,
+                           parser_class=functools.partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
 
     s = sub.add_parser("serve", help="serve a target model over gRPC", parents=[after])
     s.add_argument("--target", required=True, help="Hugging Face directory, .gguf file or hub id")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for other machines)")
-    s.add_argument("--port", type=int, default=50051)
-    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    s.add_argument("--port", type=int, default=50051, help="port to listen on")
+    s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the target runs")
     s.add_argument(
         "--dtype",
         choices=["auto", "bf16", "fp16", "fp32"],
@@ -253,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         "yields more tokens per second (up to --max-wait-ms); ar verifies what it has, or takes an "
         "autoregressive step, at once; wait waits --idle-wait-ms when it has none",
     )
-    s.add_argument("--idle-wait-ms", type=float, default=20.0)
+    s.add_argument("--idle-wait-ms", type=float, default=20.0, help="wait: how long a session without drafts waits")
     s.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="longest the target thread waits for the event loop to hand it the GIL (Python's "
                    "switch interval; default 0.5, Python's own is 5)")
@@ -274,9 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-tokens",
         type=int,
         default=512,
-        help="token budget of one target pass, padding included (sessions x longest feed); when more sessions "
-        "are ready, each verifies at most its share of drafts, and a longer prefill runs alone; within it, a "
-        "batch's feeds are cut to the width that commits the most tokens per second of measured pass time",
+        help="token budget of one target pass, padding included (rows x the widest row); when more sessions "
+        "are ready, each verifies at most its share of drafts; a prompt over the budget by itself runs alone "
+        "(with the static engine, a prompt longer than its widest row takes several rows of the pass's width "
+        "instead of widening every row); within it, a batch's feeds are cut to the width that commits the most "
+        "tokens per second of measured pass time",
     )
     s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")
@@ -331,9 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("health", help="check a server with gRPC health checking (exit 0 if SERVING)",
                        parents=[after])
-    h.add_argument("--address", default="localhost:50051")
+    h.add_argument("--address", default="localhost:50051", help="HOST:PORT of the server")
     h.add_argument("--service", default="", help="service name (default: the whole server)")
-    h.add_argument("--timeout", type=float, default=3.0)
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for its answer")
     h.set_defaults(func=_health)
     return p
 

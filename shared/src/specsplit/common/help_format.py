@@ -1,0 +1,17 @@
+"""Command-line help that shows each option's default."""
+from __future__ import annotations
+
+import argparse
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends an option's default to its help, unless the help already speaks of its
+    default or there is none to show (no default, or a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text or default is None or default is False
+                or default is argparse.SUPPRESS or default == []):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
