@@ -160,13 +160,13 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
     assert summary["baseline_sessions_at_slo"] == summary["split_sessions_at_slo"] == 2
     for mode in ("none", "sim", "onnx"):
         point = got["results"][mode][-1]
-        for key in ("session_tok_s", "server_tok_s", "itl_ms", "verdict_latency_ms", "errors", "server",
+        for key in ("session_tok_s", "server_tok_s", "ttft_ms", "itl_ms", "verdict_latency_ms", "errors", "server",
                     "client"):
             assert key in point, (mode, key)
         assert {"kv_peak_mb", "batch_sessions_mean", "passes_per_s", "mean_pass_ms"} <= set(point["server"])
     assert [p["sessions"] for p in got["results"]["onnx"]] == [2]  # its own counts
     assert got["settings"]["sessions"] == {"none": [1, 2], "sim": [1, 2], "onnx": [2]}
-    assert "| N | session tok/s min" in md_path.read_text()
+    assert "| N | session tok/s min | p50 | server tok/s | TTFT p50 / p90 ms |" in md_path.read_text()
     assert got["prompt_set"] == "stubs" and "6 prompts cycled (short plain-text openings)" in md_path.read_text()
     short = capacity(got)  # the form bench/results/capacity-gpu.json takes
     for key in ("device", "target_config", "alpha", "slo_tokens_per_s", "baseline_sessions_at_slo",

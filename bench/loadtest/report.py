@@ -58,7 +58,7 @@ def _row(mode: str, p: dict) -> str:
     errors = ", ".join(f"{k} {v}" for k, v in p["errors"]["by_code"].items()) or "0"
     client = f"{p['client']['cpu_cores_busy']:.2f}" + (" (saturated)" if p["client"]["saturated"] else "")
     return (f"| {p['sessions']} | {_f(s['min'])} | {_f(s['p50'])} | {_f(p['server_tok_s'], 0)} "
-            f"| {_pct(p['itl_ms'], ('p50', 'p99'))} | {_pct(p['verdict_latency_ms'], ('p50', 'p99', 'p99.9'))} "
+            f"| {_pct(p.get('ttft_ms'), ('p50', 'p90'))} | {_pct(p['itl_ms'], ('p50', 'p99'))} | {_pct(p['verdict_latency_ms'], ('p50', 'p99', 'p99.9'))} "
             f"| {_f(server['batch_sessions_mean'], 2)} | {_f(server['mean_pass_ms'], 2)} | {_f(server['kv_peak_mb'])} "
             f"| {_f(alpha, 2)} | {client} | {errors} | {'yes' if p['meets_slo'] else 'no'}{_runs(p)} |")
 
@@ -113,6 +113,8 @@ def render_markdown(report: dict, name: str) -> str:
            "figures those of the run with the slowest session" if s.get("repeats", 1) > 1 else ""),
         "- session tok/s: min and median over sessions; server tok/s: tokens committed in the measured window / "
         "its length",
+        "- TTFT: from a generation's start at the edge (its call) to its first committed token; the wait counts "
+        "in the session's tok/s",
         "- ITL: gaps between consecutive committed tokens (the tokens of one verdict share its time: gap 0); "
         "verdict latency: from sending a draft chunk to the verdict that commits its first position; "
         "alpha: per-position acceptance measured at the edges (accepted / (accepted + rejections); – where the "
@@ -139,9 +141,9 @@ def render_markdown(report: dict, name: str) -> str:
         lines += [
             f"## {MODE_TITLES[mode]}",
             "",
-            "| N | session tok/s min | p50 | server tok/s | ITL p50 / p99 ms | verdict latency p50 / p99 / p99.9 ms "
-            "| batch | pass ms | peak KV MB | alpha | client CPU | errors | SLO |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| N | session tok/s min | p50 | server tok/s | TTFT p50 / p90 ms | ITL p50 / p99 ms "
+            "| verdict latency p50 / p99 / p99.9 ms | batch | pass ms | peak KV MB | alpha | client CPU | errors | SLO |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *(_row(mode, p) for p in points),
             "",
         ]
