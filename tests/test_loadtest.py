@@ -2,12 +2,16 @@
 process with the tiny models, for correctness only (no timing is asserted)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from loadtest.capacity import capacity
@@ -15,7 +19,8 @@ from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
 from loadtest.report import _window, write_report
-from loadtest.sessions import GenerationRecord, LoadSettings, LoadSpec, SessionLog, _Session
+from loadtest.sessions import (GenerationRecord, LoadSettings, LoadSpec, SessionLog, _Session, committed_between,
+                               run_sessions)
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import session_speeds
 from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
@@ -68,6 +73,56 @@ def test_mixed_sessions_are_lossless_and_hit_alpha(tiny, running, references) ->
     assert server_side["tokens_committed"] == point["tokens"]
     assert server_side["passes"] > 0 and server_side["batch_sessions_mean"] >= 1
     assert point["verdict_latency_ms"]["count"] > 0 and point["itl_ms"]["count"] > 0
+
+
+def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_warm_up(tiny, running,
+                                                                                       references) -> None:
+    server, prompts = running[1].server, running[1].prompts
+    settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, duration_s=0.5, ramp_s=0.6, warmup_s=0.3)
+    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+                    settings)
+    run = asyncio.run(run_sessions(spec, [(i, "sim") for i in range(4)]))
+    assert run.measured_from - run.started == pytest.approx(0.9)  # the ramp and the warm-up
+    assert run.deadline - run.measured_from == pytest.approx(0.5)
+    for session in run.sessions:
+        assert not session.errors and session.records
+        assert session.window_s == pytest.approx(0.5)  # every one started before the window opened
+        assert all(r.matches_reference for r in session.records)
+    # Generations are started until the deadline, so the run cannot end before it.
+    assert run.finished >= run.deadline
+    # Sessions of one point in several processes share one ramp: session 3 of 8 starts 3/8 in.
+    counted = replace(spec, settings=LoadSettings(max_new_tokens=4, duration_s=None, generations=1, ramp_s=0.8))
+    late = asyncio.run(run_sessions(counted, [(6, "none")], total=8))
+    assert late.finished - late.started >= 0.6
+
+
+@given(st.floats(0, 100), st.lists(st.floats(0, 50), max_size=20), st.floats(0, 150), st.floats(0, 150))
+def test_committed_between_counts_what_came_inside_the_window(started, times, opens, closes) -> None:
+    inside = committed_between(started, times, opens, closes)
+    assert inside == sum(opens <= started + t <= closes for t in times)
+    assert committed_between(started, times, float("-inf"), None) == len(times)
+    assert committed_between(started, times, opens, None) >= inside
+
+
+def test_ramp_and_warm_up_are_checked() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        LoadSettings(ramp_s=-1)
+    with pytest.raises(ValueError, match="warm-up needs a duration"):
+        LoadSettings(duration_s=None, generations=2, warmup_s=1)
+    LoadSettings(duration_s=None, generations=2, ramp_s=1)  # a ramp serves counted generations too
+
+
+def test_load_generator_processes_do_not_each_get_one_first_prompt() -> None:
+    """Sessions are dealt round-robin: with 12 processes and 12 prompts, process p holds
+    sessions p, p + 12, ...; their first prompts must differ, or a slow process and a slow
+    prompt could not be told apart."""
+    prompts = tuple((i,) for i in range(12))
+    spec = LoadSpec("localhost:1", prompts, prompts, "", 10, LoadSettings(duration_s=None, generations=1))
+    for proc in range(12):
+        firsts = {_Session(spec, proc + 12 * j, "sim")._prompt(0) for j in range(12)}
+        assert len(firsts) == 12, (proc, firsts)
+    session = _Session(spec, 5, "sim")
+    assert [session._prompt(n) for n in range(12)] == [(5 + n) % 12 for n in range(12)]  # it cycles through all
 
 
 def test_simulated_edges_branch_beside_wrong_drafts_losslessly(tiny, running, references) -> None:
@@ -168,6 +223,7 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
     assert got["settings"]["sessions"] == {"none": [1, 2], "sim": [1, 2], "onnx": [2]}
     assert "| N | session tok/s min | p50 | server tok/s | TTFT p50 / p90 ms |" in md_path.read_text()
     assert got["prompt_set"] == "stubs" and "6 prompts cycled (short plain-text openings)" in md_path.read_text()
+    assert "all sessions start at once" in md_path.read_text() and got["settings"]["ramp_s"] == 0.0
     short = capacity(got)  # the form bench/results/capacity-gpu.json takes
     for key in ("device", "target_config", "alpha", "slo_tokens_per_s", "baseline_sessions_at_slo",
                 "split_sessions_at_slo", "errors"):

@@ -89,6 +89,9 @@ def render_markdown(report: dict, name: str) -> str:
              else f"{pin['client_procs']} processes pinned round-robin to those cores, sessions dealt round-robin")
     per_point = (f"for {s['duration_s']:g} s (generations started until then run to their end)"
                  if s["duration_s"] is not None else f"{s['generations']} generations each")
+    ramp, warmup = s.get("ramp_s", 0.0), s.get("warmup_s", 0.0)  # reports from before: all at once
+    arrival = (f"sessions start spread evenly over {ramp:g} s and are measured from {warmup:g} s after the "
+               "last has started" if ramp or warmup else "all sessions start at once")
     lines = [
         f"# gRPC load test: {name}",
         "",
@@ -98,15 +101,16 @@ def render_markdown(report: dict, name: str) -> str:
         *_describe_models(report["models"]),
         f"- server arguments: `{' '.join(report['server_args'])}`",
         f"- network: {report['network']}",
-        f"- each point: N sessions, each on its own connection, generating back to back {per_point}; "
+        f"- each point: N sessions, each on its own connection, generating back to back {per_point}; {arrival}; "
         f"{s['max_new_tokens']} new tokens per generation, greedy, {len(report['prompts'])} prompts cycled "
         f"({PROMPT_SETS[report.get('prompt_set', 'stubs')]}), "  # reports from before the choice used the stubs
         f"lookahead window {_window(s)}",
         f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
         f"draft delay {s['draft_delay_ms']:g} ms per token, a branch from the right token beside "
         f"{s.get('branch_coverage', 0.0):.0%} of the first wrong drafts",
-        f"- SLO: every session at least {report['slo']:g} tokens/s (the tokens it committed before the point's "
-        "time was up, over the time from its first generation until then; the generations still running then "
+        f"- SLO: every session at least {report['slo']:g} tokens/s (the tokens it committed in the measured window, "
+        "until the point's time was up, over the time from its first generation, or the window's opening if later, "
+        "until then; the generations still running then "
         "finish with ever fewer sessions and are not counted past it) and no errors; a mode's sweep stops at its "
         "first point that misses it"
         + (f"; each point ran {s['repeats']} times and meets it only if every run does, its "
@@ -121,7 +125,7 @@ def render_markdown(report: dict, name: str) -> str:
         "server verified no drafts)",
         "- batch: mean sessions per target pass; pass: mean target pass time; KV: peak of the server's KV-cache gauge "
         "(sampled every 0.5 s); client CPU: load generator CPU in cores (saturated: it, not the server, may be the "
-        "limit)",
+        "limit)" + ("; these cover the whole point, ramp and warm-up included" if ramp or warmup else ""),
         "",
         "## Summary",
         "",

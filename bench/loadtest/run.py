@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--duration", type=float, default=10.0, help="seconds per point (default 10)")
     length.add_argument("--generations", type=int, help="instead of --duration: generations per session per point")
+    p.add_argument("--ramp", type=float, default=0.0,
+                   help="seconds over which a point's sessions start, spread evenly, as devices arriving one after "
+                   "another (default 0: all at once); the measured --duration begins when the last has started")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="seconds after the ramp before the measured window opens, so that the start-up's prefills "
+                   "and waits are left out; needs --duration (default 0)")
     p.add_argument("--prompts", choices=list(PROMPT_SETS), default="stubs",
                    help="stubs: six short plain-text openings (default); benchmark: the benchmark's 12 prompts "
                    "under the target's chat template, for a trained --target")
@@ -139,11 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # an unknown mode, a count below 1
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window,
-                            adaptive_window=not args.fixed_window, alpha=args.alpha,
-                            draft_delay_ms=args.draft_delay_ms,
-                            branch_coverage=args.branch_coverage, seed=args.seed,
-                            duration_s=None if args.generations else args.duration, generations=args.generations)
+    try:
+        settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window,
+                                adaptive_window=not args.fixed_window, alpha=args.alpha,
+                                draft_delay_ms=args.draft_delay_ms,
+                                branch_coverage=args.branch_coverage, seed=args.seed,
+                                duration_s=None if args.generations else args.duration, generations=args.generations,
+                                ramp_s=args.ramp, warmup_s=args.warmup)
+    except ValueError as exc:  # a negative ramp, a warm-up without a duration
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     server_cores, client_cores = split_cores(args.server_cores, args.client_cores)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     opts = RunOptions(

@@ -42,12 +42,20 @@ class LoadSettings:
     draft_delay_ms: float = 0.0  # sim edges: drafting time per token
     branch_coverage: float = 0.0  # sim edges: chance of a branch from the right token beside a wrong draft
     seed: int = 0  # of the sim edges' draws
-    duration_s: float | None = 10.0  # generations are started until then and run to their end
+    duration_s: float | None = 10.0  # the measured window: generations are started until its end and run on
     generations: int | None = None  # instead of a duration: this many per session
+    # Sessions start spread evenly over this many seconds, as devices arriving one after
+    # another do (0: all at once); the window opens when the last has started.
+    ramp_s: float = 0.0
+    warmup_s: float = 0.0  # and this much later still: the start-up's prefills and waits left out
 
     def __post_init__(self) -> None:
         if (self.duration_s is None) == (self.generations is None):
             raise ValueError("give either a duration or a number of generations per session")
+        if self.ramp_s < 0 or self.warmup_s < 0:
+            raise ValueError(f"ramp and warm-up must not be negative, got {self.ramp_s} and {self.warmup_s}")
+        if self.warmup_s and self.duration_s is None:
+            raise ValueError("a warm-up needs a duration: with a number of generations nothing is left out")
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,8 @@ class SessionLog:
     kind: str
     records: list[GenerationRecord] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
-    # From its first generation's start to its process's deadline (each load-generator
-    # process has its own); None without a deadline.
+    # From its first generation's start, or the measured window's opening if later, to its
+    # process's deadline (each load-generator process has its own); None without a deadline.
     window_s: float | None = None
 
     @property
@@ -108,17 +116,24 @@ class LoadRun:
     sessions: list[SessionLog]
     started: float  # time.monotonic() when the sessions began
     deadline: float | None
+    measured_from: float  # when the measured window opened: after the ramp and warm-up
     finished: float
     cpu_s: float  # this process's CPU time over the run (all its threads)
 
 
-def _record(result: GenerationResult, reference: tuple[int, ...], started: float,
+def committed_between(started: float, commit_times: list[float], opens: float, closes: float | None) -> int:
+    """How many of a generation's tokens (committed `commit_times` seconds after `started`)
+    came within [opens, closes]; closes None: no end."""
+    end = float("inf") if closes is None else closes
+    return sum(opens <= started + t <= end for t in commit_times)
+
+
+def _record(result: GenerationResult, reference: tuple[int, ...], started: float, opens: float,
             deadline: float | None) -> GenerationRecord:
-    cut = float("inf") if deadline is None else deadline - started
     return GenerationRecord(
         tokens=len(result.tokens),
         elapsed_s=result.stats.elapsed_s,
-        tokens_in_window=sum(t <= cut for t in result.commit_times),
+        tokens_in_window=committed_between(started, result.commit_times, opens, deadline),
         matches_reference=tuple(result.tokens) == reference,
         ttft_s=result.stats.ttft_s,
         itl_ms=itl_ms(result.commit_times),
@@ -160,16 +175,25 @@ class _Session:
             return time.monotonic() < deadline
         return done < (self.spec.settings.generations or 0)
 
-    async def run(self, deadline: float | None) -> None:
+    def _prompt(self, n: int) -> int:
+        """The prompt of the session's n-th generation. Sessions are dealt round-robin to the
+        load-generator processes: with as many processes as prompts, index mod prompts alone
+        would give each process one first prompt, and the two could not be told apart."""
+        count = len(self.spec.prompts)
+        return (self.log.index + self.log.index // count + n) % count
+
+    async def run(self, start_at: float, opens: float, deadline: float | None) -> None:
+        """Generate from `start_at` on; what counts is committed between `opens` and `deadline`."""
         s = self.spec
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         async with grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS) as channel:
             n = 0
             while self._more(n, deadline):
-                prompt = (self.log.index + n) % len(s.prompts)
+                prompt = self._prompt(n)
                 n += 1
                 started = time.monotonic()
                 if deadline is not None and self.log.window_s is None:
-                    self.log.window_s = deadline - started
+                    self.log.window_s = deadline - max(started, opens)
                 try:
                     result = await generate(s.address, s.prompts[prompt], self.cfg, drafter=self._drafter(prompt),
                                             fingerprint=s.fingerprint, channel=channel,
@@ -182,15 +206,18 @@ class _Session:
                     self.log.errors[type(exc).__name__] += 1
                     await asyncio.sleep(ERROR_PAUSE_S)
                     continue
-                self.log.records.append(_record(result, s.references[prompt], started, deadline))
+                self.log.records.append(_record(result, s.references[prompt], started, opens, deadline))
 
 
-async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]]) -> LoadRun:
-    """Run the sessions (index, kind) concurrently until the spec's duration or count is done."""
+async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], total: int | None = None) -> LoadRun:
+    """Run the sessions (index, kind) concurrently until the spec's duration or count is done.
+    Session i of `total` (default: these) starts i / total of the way through the ramp."""
+    load = spec.settings
+    total = total or len(sessions)
     edges = [_Session(spec, index, kind) for index, kind in sessions]
     cpu0 = time.process_time()
     started = time.monotonic()
-    duration = spec.settings.duration_s
-    deadline = None if duration is None else started + duration
-    await asyncio.gather(*(e.run(deadline) for e in edges))
-    return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)
+    opens = started + load.ramp_s + load.warmup_s
+    deadline = None if load.duration_s is None else opens + load.duration_s
+    await asyncio.gather(*(e.run(started + load.ramp_s * e.log.index / total, opens, deadline) for e in edges))
+    return LoadRun([e.log for e in edges], started, deadline, opens, time.monotonic(), time.process_time() - cpu0)

@@ -20,8 +20,9 @@ def _speeds(values: list[float]) -> dict:
 
 
 def session_speeds(sessions: list[SessionLog]) -> list[float]:
-    """Each session's tokens/s under the point's full load: what it committed before the
-    deadline, over the time from its first generation's start until then. Generations started
+    """Each session's tokens/s under the point's full load: what it committed in the measured
+    window, over the time from its first generation's start (or the window's opening, if
+    later: after a ramp and warm-up) until the deadline. Generations started
     before the deadline run to their end, but past it ever fewer sessions remain and the last
     ones speed up; counted in, they made the sessions that happened to end late look faster
     than they ran under the load (a 192-session GPU point showed a group of sessions a fifth
@@ -77,7 +78,7 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
     wall = run.finished - run.started
     # Server speed over the measured window only: the last generations run past the
     # deadline with ever fewer sessions, which would understate the loaded throughput.
-    window = (run.deadline - run.started) if run.deadline is not None else wall
+    window = (run.deadline - run.measured_from) if run.deadline is not None else wall
     errors: Counter = sum((s.errors for s in sessions), Counter())
     kinds = Counter(s.kind for s in sessions)
     records = [r for s in sessions for r in s.records]

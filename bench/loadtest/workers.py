@@ -19,8 +19,8 @@ def _serve(conn: Connection, core: int | None) -> None:
     if core is not None:
         os.sched_setaffinity(0, {core})
     while (job := conn.recv()) is not None:
-        spec, sessions = job
-        conn.send(asyncio.run(run_sessions(spec, sessions)))
+        spec, sessions, total = job
+        conn.send(asyncio.run(run_sessions(spec, sessions, total)))
 
 
 class ClientWorkers:
@@ -47,7 +47,7 @@ class ClientWorkers:
         for i, conn in enumerate(self._conns):
             part = sessions[i :: len(self._conns)]
             if part:
-                conn.send((spec, part))
+                conn.send((spec, part, len(sessions)))
                 busy.append(conn)
         return [conn.recv() for conn in busy]
 
