@@ -221,7 +221,11 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
         assert {"kv_peak_mb", "batch_sessions_mean", "passes_per_s", "mean_pass_ms"} <= set(point["server"])
     assert [p["sessions"] for p in got["results"]["onnx"]] == [2]  # its own counts
     assert got["settings"]["sessions"] == {"none": [1, 2], "sim": [1, 2], "onnx": [2]}
-    assert "| N | session tok/s min | p50 | server tok/s | TTFT p50 / p90 ms |" in md_path.read_text()
+    assert "| N | session tok/s min | p50 | server tok/s | TTFT p50 / p90 ms (to Opened) |" in md_path.read_text()
+    for mode in ("none", "sim", "onnx"):  # the wait for Opened is part of the wait for the first token
+        point = got["results"][mode][-1]
+        assert 0 < point["opened_ms"]["p50"] <= point["ttft_ms"]["p50"], (mode, point["opened_ms"])  # each below its own
+        assert point["opened_ms"]["count"] == point["ttft_ms"]["count"] == point["generations"]
     assert got["prompt_set"] == "stubs" and "6 prompts cycled (short plain-text openings)" in md_path.read_text()
     assert "all sessions start at once" in md_path.read_text() and got["settings"]["ramp_s"] == 0.0
     short = capacity(got)  # the form bench/results/capacity-gpu.json takes

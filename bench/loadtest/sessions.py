@@ -85,6 +85,7 @@ class GenerationRecord:
     drafts_made: int
     drafts_wasted: int
     branches_taken: int = 0  # rejections after which the edge carried on along its branch
+    opened_s: float | None = None  # of the TTFT, the wait for the server's Opened
 
 
 @dataclass
@@ -143,6 +144,7 @@ def _record(result: GenerationResult, reference: tuple[int, ...], started: float
         drafts_made=result.stats.drafts_made,
         drafts_wasted=result.stats.drafts_wasted,
         branches_taken=result.stats.branches_taken,
+        opened_s=result.stats.opened_s,
     )
 
 

@@ -95,6 +95,7 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
         "session_tok_s_whole": _speeds([s.tokens_per_s for s in sessions]),
         "server_tok_s": sum(r.tokens_in_window for r in records) / window if window > 0 else 0.0,
         "ttft_ms": percentiles([r.ttft_s * 1000 for r in records if r.ttft_s is not None]),
+        "opened_ms": percentiles([r.opened_s * 1000 for r in records if r.opened_s is not None]),
         "itl_ms": _pooled(sessions, "itl_ms"),
         "verdict_latency_ms": _pooled(sessions, "verdict_latency_ms"),
         "verdict_interval_ms": _pooled(sessions, "verdict_interval_ms"),

@@ -189,6 +189,7 @@ class _Generation:
         opened = await self._read_one(call)
         if not isinstance(opened, Opened):
             raise ConnectionError(f"expected Opened first, got {type(opened).__name__}")
+        self.stats.opened_s = time.perf_counter() - t0
         self._max_window = min(self.cfg.window, opened.max_lookahead)
         self._server_lookahead = opened.max_lookahead
         window = self.cfg.k if self.cfg.mode == "sync" else self._lookahead()

@@ -17,6 +17,9 @@ class GenerationStats:
     elapsed_s: float = 0.0
     tokens_per_s: float = 0.0
     ttft_s: float | None = None  # until the first committed token
+    # Until the server's Opened: the call accepted and its Open read (the rest of the TTFT is
+    # the server's first verification and the way back).
+    opened_s: float | None = None
     verifications: int = 0
     drafts_proposed: int = 0  # drafts the server verified
     drafts_accepted: int = 0
