@@ -219,6 +219,10 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
                     "client"):
             assert key in point, (mode, key)
         assert {"kv_peak_mb", "batch_sessions_mean", "passes_per_s", "mean_pass_ms"} <= set(point["server"])
+        assert {"loop_lag_mean_ms", "loop_lag_p99_below_ms"} <= set(point["server"])
+    # A point shorter than the lag's 50 ms tick has no figure; the sweep as a whole has some.
+    lags = [p["server"]["loop_lag_p99_below_ms"] for points in got["results"].values() for p in points]
+    assert any(lag is not None and lag >= 1 for lag in lags), lags
     assert [p["sessions"] for p in got["results"]["onnx"]] == [2]  # its own counts
     assert got["settings"]["sessions"] == {"none": [1, 2], "sim": [1, 2], "onnx": [2]}
     assert "| N | session tok/s min | p50 | server tok/s | TTFT p50 / p90 ms (to Opened) |" in md_path.read_text()

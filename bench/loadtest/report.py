@@ -59,8 +59,14 @@ def _row(mode: str, p: dict) -> str:
     client = f"{p['client']['cpu_cores_busy']:.2f}" + (" (saturated)" if p["client"]["saturated"] else "")
     return (f"| {p['sessions']} | {_f(s['min'])} | {_f(s['p50'])} | {_f(p['server_tok_s'], 0)} "
             f"| {_ttft(p)} | {_pct(p['itl_ms'], ('p50', 'p99'))} | {_pct(p['verdict_latency_ms'], ('p50', 'p99', 'p99.9'))} "
-            f"| {_f(server['batch_sessions_mean'], 2)} | {_f(server['mean_pass_ms'], 2)} | {_f(server['kv_peak_mb'])} "
+            f"| {_f(server['batch_sessions_mean'], 2)} | {_f(server['mean_pass_ms'], 2)} | {_lag(server)} | {_f(server['kv_peak_mb'])} "
             f"| {_f(alpha, 2)} | {client} | {errors} | {'yes' if p['meets_slo'] else 'no'}{_runs(p)} |")
+
+
+def _lag(server: dict) -> str:
+    """The event loop's lag, mean / the bound its p99 lies under (– in reports from before it)."""
+    mean = server.get("loop_lag_mean_ms")
+    return "–" if mean is None else f"{mean:.1f} / ≤ {server['loop_lag_p99_below_ms']:g}"
 
 
 def _ttft(p: dict) -> str:
@@ -130,6 +136,8 @@ def render_markdown(report: dict, name: str) -> str:
         "verdict latency: from sending a draft chunk to the verdict that commits its first position; "
         "alpha: per-position acceptance measured at the edges (accepted / (accepted + rejections); – where the "
         "server verified no drafts)",
+        "- loop lag: how late the server's event loop ran a timer due every 50 ms, mean / the histogram bucket its "
+        "p99 lies under; every call, message and verdict waits about that long in the loop",
         "- batch: mean sessions per target pass; pass: mean target pass time; KV: peak of the server's KV-cache gauge "
         "(sampled every 0.5 s); client CPU: load generator CPU in cores (saturated: it, not the server, may be the "
         "limit)" + ("; these cover the whole point, ramp and warm-up included" if ramp or warmup else ""),
@@ -153,8 +161,9 @@ def render_markdown(report: dict, name: str) -> str:
             f"## {MODE_TITLES[mode]}",
             "",
             "| N | session tok/s min | p50 | server tok/s | TTFT p50 / p90 ms (to Opened) | ITL p50 / p99 ms "
-            "| verdict latency p50 / p99 / p99.9 ms | batch | pass ms | peak KV MB | alpha | client CPU | errors | SLO |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| verdict latency p50 / p99 / p99.9 ms | batch | pass ms | loop lag ms | peak KV MB | alpha | client CPU | errors "
+            "| SLO |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *(_row(mode, p) for p in points),
             "",
         ]

@@ -51,12 +51,25 @@ def _acceptance(sessions: list[SessionLog], kind: str, spec: LoadSpec) -> dict:
     return {"alpha_set": spec.settings.alpha, **out} if kind == "sim" else out
 
 
+def _bucket_bound(hist: dict, q: float) -> float | None:
+    """The upper bound (ms) of the bucket where a histogram's q-quantile falls; None if empty."""
+    if not hist.get("count"):
+        return None
+    seen = 0.0
+    for le, n in hist["buckets"].items():
+        seen += n
+        if seen >= q * hist["count"]:
+            return float(le) * 1000
+    return None
+
+
 def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float, rss_peak: float) -> dict:
     # {} where the server lacks a histogram (batch tokens: newer servers only).
     passes = histogram_delta(before, after, "specsplit_verification_seconds") or {}
     batch = histogram_delta(before, after, "specsplit_verification_batch_sessions") or {}
     batch_tokens = histogram_delta(before, after, "specsplit_verification_batch_tokens") or {}
     drafts = histogram_delta(before, after, "specsplit_verification_drafts") or {}
+    lag = histogram_delta(before, after, "specsplit_event_loop_lag_seconds") or {}
     mean_pass = passes.get("mean")
     return {
         "tokens_committed": counter_delta(before, after, "specsplit_tokens_committed"),
@@ -67,6 +80,8 @@ def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float, rs
         "batch_sessions_buckets": batch.get("buckets"),
         "batch_tokens_mean": batch_tokens.get("mean"),
         "drafts_per_verification_mean": drafts.get("mean"),
+        "loop_lag_mean_ms": lag["mean"] * 1000 if lag.get("mean") is not None else None,
+        "loop_lag_p99_below_ms": _bucket_bound(lag, 0.99),
         "kv_peak_mb": kv_peak / MB,
         "rss_peak_mb": rss_peak / MB,
     }

@@ -37,6 +37,12 @@ class ServerMetrics:
             "specsplit_verification_batch_tokens", "Tokens per target pass, padding included", registry=r,
             buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
         )
+        # Everything the server does for its streams waits in the event loop's queue: a late
+        # loop is a late Open, draft and verdict alike (loop_lag.py).
+        self.loop_lag = Histogram(
+            "specsplit_event_loop_lag_seconds", "How late the event loop ran a timer that was due", registry=r,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+        )
         self.outbox_depth = Gauge("specsplit_outbox_depth", "Messages queued to edges, all sessions", registry=r)
         self.kv_bytes = Gauge("specsplit_kv_cache_bytes", "KV cache memory held by sessions", registry=r)
         self.errors = Counter("specsplit_errors", "Streams ended with an error, by gRPC status", ["code"], registry=r)

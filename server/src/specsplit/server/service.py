@@ -19,6 +19,7 @@ from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
+from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.v1 import specsplit_pb2 as pb
@@ -205,6 +206,7 @@ async def serve(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     worker_task = asyncio.create_task(worker.run())
+    lag_task = asyncio.create_task(watch_loop_lag(metrics.loop_lag))
     stop = asyncio.Event()
 
     def worker_ended(task: asyncio.Task) -> None:  # type: ignore[type-arg]
@@ -239,6 +241,7 @@ async def serve(
             await asyncio.sleep(0.1)
         await server.stop(1.0)
         worker_task.cancel()
+        lag_task.cancel()
         worker.close()
     if worker_task.done() and not worker_task.cancelled() and worker_task.exception() is not None:
         raise RuntimeError("the verification worker failed") from worker_task.exception()
