@@ -124,6 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         tls=tls,
         tokens_file=Path(args.tokens_file) if args.tokens_file else None,
+        listeners=args.listeners,
     )
     asyncio.run(serve(engine, sched, cfg))
     return 0
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stalled-edge-timeout", type=float, default=30.0,
                    help="seconds an edge may leave its verdicts unread before its session is ended, and, "
                    "after its Done, keep its stream open before the server ends it")
+    s.add_argument("--listeners", type=int, default=1,
+                   help="gRPC servers sharing the port (SO_REUSEPORT), each taking new calls on its own: one "
+                   "takes them one at a time, which under hundreds of devices can keep calls waiting")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     s.add_argument("--tls-key", help="server private key (PEM)")

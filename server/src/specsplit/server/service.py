@@ -49,6 +49,14 @@ class ServeConfig:
     # while the edge still writes fails those writes and, with them, the call at the edge. A
     # busy edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
     linger_s: float = 30.0
+    # gRPC servers on the port (SO_REUSEPORT; the kernel deals connections among them). A
+    # grpc.aio server asks for its next call only once its event loop has taken the last, so
+    # one server takes new calls one after another; every server shares the one worker.
+    listeners: int = 1
+
+    def __post_init__(self) -> None:
+        if self.listeners < 1:
+            raise ValueError(f"listeners must be at least 1, got {self.listeners}")
 
 
 def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
@@ -188,21 +196,27 @@ async def serve(
         ("grpc.keepalive_permit_without_calls", 1),
     ]
     interceptors = [BearerTokenInterceptor(load_tokens(cfg.tokens_file))] if cfg.tokens_file else []
-    server = grpc.aio.server(options=options, interceptors=interceptors)
     service = SpecSplitService(worker, limits, cfg, metrics)
-    server.add_generic_rpc_handlers((_generic_handler(service),))
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{cfg.host}:{cfg.port}"
-    bound = (
-        server.add_secure_port(address, cfg.tls.credentials()) if cfg.tls else server.add_insecure_port(address)
-    )
-    if bound == 0:
-        raise OSError(f"could not bind {address}")
+    servers, port = [], cfg.port
+    for _ in range(cfg.listeners):
+        server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)], interceptors=interceptors)
+        server.add_generic_rpc_handlers((_generic_handler(service),))
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        address = f"{cfg.host}:{port}"
+        bound = (
+            server.add_secure_port(address, cfg.tls.credentials()) if cfg.tls else server.add_insecure_port(address)
+        )
+        if bound == 0:
+            raise OSError(f"could not bind {address}")
+        port = bound  # port 0 asks for a free port once: the others share the one it got
+        servers.append(server)
+    address = f"{cfg.host}:{port}"
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, cfg.host)
-    await server.start()
+    for server in servers:
+        await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     worker_task = asyncio.create_task(worker.run())
@@ -223,8 +237,9 @@ async def serve(
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     log.info(
-        "serving %s on %s%s (vocab %d, context %d, tokenizer %s)",
-        limits.target_model, address, " with TLS" if cfg.tls else "", limits.vocab_size, limits.max_context,
+        "serving %s on %s%s%s (vocab %d, context %d, tokenizer %s)",
+        limits.target_model, address, " with TLS" if cfg.tls else "",
+        f" ({cfg.listeners} listeners)" if cfg.listeners > 1 else "", limits.vocab_size, limits.max_context,
         limits.tokenizer_fingerprint,
     )
     if ready is not None:
@@ -239,7 +254,7 @@ async def serve(
         deadline = loop.time() + cfg.grace_s
         while worker.sessions and loop.time() < deadline and not worker_task.done():  # none ends without it
             await asyncio.sleep(0.1)
-        await server.stop(1.0)
+        await asyncio.gather(*(server.stop(1.0) for server in servers))
         worker_task.cancel()
         lag_task.cancel()
         worker.close()
