@@ -19,10 +19,10 @@ from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
 from loadtest.report import _window, write_report
-from loadtest.sessions import (GenerationRecord, LoadSettings, LoadSpec, SessionLog, _Session, committed_between,
-                               run_sessions)
+from loadtest.sessions import (GenerationRecord, LoadRun, LoadSettings, LoadSpec, SessionLog, _Session,
+                               committed_between, run_sessions)
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
-from loadtest.summary import session_speeds
+from loadtest.summary import session_speeds, summarize
 from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
 from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from loadtest.timeline import Acceptance
@@ -82,8 +82,7 @@ def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_war
     spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings)
     run = asyncio.run(run_sessions(spec, [(i, "sim") for i in range(4)]))
-    assert run.measured_from - run.started == pytest.approx(0.9)  # the ramp and the warm-up
-    assert run.deadline - run.measured_from == pytest.approx(0.5)
+    assert run.deadline - run.started == pytest.approx(0.6 + 0.3 + 0.5)  # the ramp, the warm-up, the window
     for session in run.sessions:
         assert not session.errors and session.records
         assert session.window_s == pytest.approx(0.5)  # every one started before the window opened
@@ -263,6 +262,20 @@ def test_session_speed_counts_only_what_ran_under_the_points_load() -> None:
     assert late.tokens_per_s > steady.tokens_per_s  # what the whole generations would have said
     steady.window_s = late.window_s = None  # a set number of generations, no deadline
     assert session_speeds([steady, late]) == [steady.tokens_per_s, late.tokens_per_s]
+
+
+def test_server_speed_is_over_the_set_window_though_processes_start_apart() -> None:
+    """Each load-generator process measures its own window of --duration; merged, the span
+    from the first opening to the last end is longer, and no rate."""
+    settings = LoadSettings(duration_s=10.0)
+    spec = LoadSpec("localhost:1", ((1,),), ((2,),), "", 10, settings)
+    sessions = [SessionLog(i, "none", [_generation(100, 5.0, 100), _generation(100, 5.0, 100)], window_s=10.0)
+                for i in range(3)]
+    # Two processes' runs merged: the second began 4 s after the first.
+    run = LoadRun(sessions, started=0.0, deadline=14.0, finished=17.0, cpu_s=1.0)
+    point = summarize(run, spec, {}, {}, 0.0, 0.0, client_procs=2)
+    assert point["server_tok_s"] == pytest.approx(3 * 200 / 10.0)
+    assert point["session_tok_s"]["min"] == point["session_tok_s"]["p50"] == pytest.approx(20.0)
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

@@ -48,7 +48,6 @@ def _merge(runs: list[LoadRun]) -> LoadRun:
         sessions=sorted((s for r in runs for s in r.sessions), key=lambda s: s.index),
         started=min(r.started for r in runs),
         deadline=max(deadlines) if deadlines else None,
-        measured_from=min(r.measured_from for r in runs),
         finished=max(r.finished for r in runs),
         cpu_s=sum(r.cpu_s for r in runs),
     )

@@ -116,8 +116,7 @@ class SessionLog:
 class LoadRun:
     sessions: list[SessionLog]
     started: float  # time.monotonic() when the sessions began
-    deadline: float | None
-    measured_from: float  # when the measured window opened: after the ramp and warm-up
+    deadline: float | None  # the measured window's end: its opening (after the ramp and warm-up) + the duration
     finished: float
     cpu_s: float  # this process's CPU time over the run (all its threads)
 
@@ -222,4 +221,4 @@ async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], total: i
     opens = started + load.ramp_s + load.warmup_s
     deadline = None if load.duration_s is None else opens + load.duration_s
     await asyncio.gather(*(e.run(started + load.ramp_s * e.log.index / total, opens, deadline) for e in edges))
-    return LoadRun([e.log for e in edges], started, deadline, opens, time.monotonic(), time.process_time() - cpu0)
+    return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)

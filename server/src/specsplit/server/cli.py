@@ -294,9 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stalled-edge-timeout", type=float, default=30.0,
                    help="seconds an edge may leave its verdicts unread before its session is ended, and, "
                    "after its Done, keep its stream open before the server ends it")
-    s.add_argument("--listeners", type=int, default=1,
-                   help="gRPC servers sharing the port (SO_REUSEPORT), each taking new calls on its own: one "
-                   "takes them one at a time, which under hundreds of devices can keep calls waiting")
+    s.add_argument("--listeners", type=int, default=4,
+                   help="gRPC servers sharing the port (SO_REUSEPORT, Linux), each taking new calls on its own: "
+                   "one takes them one at a time, which under hundreds of devices keeps calls waiting; 1 where "
+                   "the platform cannot share a port")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     s.add_argument("--tls-key", help="server private key (PEM)")
