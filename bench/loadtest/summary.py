@@ -95,7 +95,7 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
     # deadline with ever fewer sessions, which would understate the loaded throughput.
     # Each load-generator process has its own window of the set length, and the processes
     # start a little apart: the span from the first window's opening to the last one's end
-    # would understate the speed (by a quarter in one GPU run).
+    # would understate the speed (by 28% on the first point of one GPU run).
     window = spec.settings.duration_s if spec.settings.duration_s is not None else wall
     errors: Counter = sum((s.errors for s in sessions), Counter())
     kinds = Counter(s.kind for s in sessions)
