@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import accept_rate
 import gpu_passes
 import host_cost
 import replay
@@ -23,6 +24,7 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 # Result name prefix -> the renderer of the report that wrote it (first match wins).
 RENDERERS: list[tuple[tuple[str, ...], Callable[[dict, str], str]]] = [
     (("gpu-passes", "cpu-passes"), lambda r, _: gpu_passes.render(r)),
+    (("accept-rate",), accept_rate.render),
     (("host-cost",), lambda r, _: host_cost.render(r)),
     (("replay",), lambda r, _: replay.render(r)),
     (("loadtest", "capacity-gpu-"), loadtest_report.render_markdown),

@@ -19,6 +19,7 @@ from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
+from specsplit.server.listeners import bind_listeners
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
@@ -49,10 +50,8 @@ class ServeConfig:
     # while the edge still writes fails those writes and, with them, the call at the edge. A
     # busy edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
     linger_s: float = 30.0
-    # gRPC servers on the port (SO_REUSEPORT; the kernel deals connections among them). A
-    # grpc.aio server asks for its next call only once its event loop has taken the last, so
-    # one server takes new calls one after another: with 384 devices starting generations on
-    # one GPU server, a call waited 1.4 s (p90) for its Opened with one, 0.26 s with four
+    # gRPC servers on the port (listeners.py): with 384 devices starting generations on one GPU
+    # server, a call waited 1.4 s (p90) for its Opened with one, 0.26 s with four
     # (docs/capacity.md). Every server shares the one worker.
     listeners: int = 4
 
@@ -200,21 +199,14 @@ async def serve(
     interceptors = [BearerTokenInterceptor(load_tokens(cfg.tokens_file))] if cfg.tokens_file else []
     service = SpecSplitService(worker, limits, cfg, metrics)
     health_servicer = health.aio.HealthServicer()
-    servers, port = [], cfg.port
-    for _ in range(cfg.listeners):
-        server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)], interceptors=interceptors)
+
+    def register(server: grpc.aio.Server) -> None:
         server.add_generic_rpc_handlers((_generic_handler(service),))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        address = f"{cfg.host}:{port}"
-        bound = (
-            server.add_secure_port(address, cfg.tls.credentials()) if cfg.tls else server.add_insecure_port(address)
-        )
-        if bound == 0:
-            shared = " beside the first listener (a platform without SO_REUSEPORT needs --listeners 1)" if servers else ""
-            raise OSError(f"could not bind {address}{shared}")
-        port = bound  # port 0 asks for a free port once: the others share the one it got
-        servers.append(server)
+
+    servers, port = bind_listeners(cfg.listeners, cfg.host, cfg.port, register, options, interceptors,
+                                   cfg.tls.credentials() if cfg.tls else None)
     address = f"{cfg.host}:{port}"
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, cfg.host)
