@@ -3,10 +3,10 @@
 The server's own listener code (specsplit.server.listeners) serves one trivial method,
 and every turn of its event loop carries --turn-ms of other work, as a loop busy with
 hundreds of streams' messages and a verification worker's passes does. Callers, each on
-its own connection as separate devices are, make one call after another. A server asks for
-its next call only once its loop has taken the last, so the loop's turns cap the calls per
-second one server can start; more listeners take them in parallel. The server runs in its own
-process, pinned to one core, the callers in this one on another.
+its own connection as separate devices are, make one call after another. A busy loop caps
+the calls per second a server starts; the report shows by how much, and how much more
+listeners (each taking calls on its own) lift that cap. The server runs in its own process,
+pinned to one core, the callers in this one on another.
 
 Writes bench/results/NAME.json and NAME.md. Run from the repository root:
 python bench/accept_rate.py [options]

@@ -10,13 +10,17 @@ from typing import Any
 import grpc
 
 
+def check_listeners(count: int) -> None:
+    if count < 1:
+        raise ValueError(f"listeners must be at least 1, got {count}")
+
+
 def bind_listeners(count: int, host: str, port: int, register: Callable[[grpc.aio.Server], None],
                    options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = (),
                    credentials: grpc.ServerCredentials | None = None) -> tuple[list[grpc.aio.Server], int]:
     """`count` servers bound to host:port (0: a free port), each given its handlers by
     `register`; not started. Returns them and the port they share."""
-    if count < 1:
-        raise ValueError(f"listeners must be at least 1, got {count}")
+    check_listeners(count)
     servers: list[grpc.aio.Server] = []
     for _ in range(count):
         server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)], interceptors=list(interceptors))

@@ -19,7 +19,7 @@ from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
-from specsplit.server.listeners import bind_listeners
+from specsplit.server.listeners import bind_listeners, check_listeners
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
@@ -56,8 +56,7 @@ class ServeConfig:
     listeners: int = 4
 
     def __post_init__(self) -> None:
-        if self.listeners < 1:
-            raise ValueError(f"listeners must be at least 1, got {self.listeners}")
+        check_listeners(self.listeners)  # before the model loads, not when the port is bound
 
 
 def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
