@@ -8,7 +8,7 @@ import numpy as np
 
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.hashing import HashedSequence, mix
-from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
+from specsplit.protocol.messages import Done, DraftChunk, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection, ServerSession, VerifyTask
 
 VOCAB = 11
@@ -172,6 +172,16 @@ class Network:
         task = s.next_task(budget)
         assert task is not None
         self.down.extend(s.apply(task, *task_logits(s, task)))
+
+    def next_generation(self, prompt: list[int], max_new: int, stale: int) -> None:
+        """The edge's next generation on the same stream, once the last is Done: `stale`
+        drafts of the last one still in flight ahead of the new Open."""
+        old = self.edge
+        if stale:
+            self.up.append(DraftChunk(old.committed_len, tuple(range(1, stale + 1)), old._seq.hash_before(old.committed_len)))
+        self.prompt, self.max_new = list(prompt), max_new
+        self.edge = EdgeSession(self.prompt, self.window)
+        self.up.append(OpenRequest(prompt_ids=tuple(self.prompt), max_new_tokens=self.max_new))
 
     def reconnect(self) -> None:
         """The stream breaks: everything in flight is lost; the edge re-opens."""

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 
 from specsplit.edge.client import EdgeConfig, _Generation
+from specsplit.edge.stream import GenerateStream
 from specsplit.protocol import codec
 from specsplit.protocol.messages import Opened
 
@@ -40,6 +41,12 @@ class StreamThatEnds:
     def Generate(self, requests, metadata=None):  # type: ignore[no-untyped-def]  # noqa: N802 (gRPC's name)
         return self
 
+    def done(self) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        pass
+
     async def read(self):  # type: ignore[no-untyped-def]
         if not self.sent_opened:
             self.sent_opened = True
@@ -54,7 +61,7 @@ def test_a_generation_ending_mid_step_waits_for_the_drafter() -> None:
 
     async def main() -> None:
         try:
-            await gen.run(StreamThatEnds(drafter))
+            await gen.run(GenerateStream(StreamThatEnds(drafter)))
         except ConnectionError:
             pass
         else:

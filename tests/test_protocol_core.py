@@ -184,6 +184,21 @@ def test_second_open() -> None:
     assert exc.value.status == "FAILED_PRECONDITION"
 
 
+def test_an_open_after_done_starts_the_streams_next_session() -> None:
+    conn = ServerConnection(LIMITS, "s")
+    conn.receive(OpenRequest(prompt_ids=PROMPT, max_new_tokens=4))
+    first = conn.session
+    conn.receive(Close())
+    assert conn.idle
+    stale = DraftChunk(len(PROMPT), (1, 2), HashedSequence(PROMPT).hash_before(len(PROMPT)))
+    assert conn.receive(stale) == [] and first.candidate_count == 0  # a done session ignores drafts
+    (opened,) = conn.receive(OpenRequest(prompt_ids=(5, 6), max_new_tokens=4))
+    assert opened.session_id == "s.2" and conn.session is not first and conn.session.tokens == [5, 6]
+    assert not conn.idle
+    with pytest.raises(errors.SecondOpen):
+        conn.receive(OpenRequest(prompt_ids=PROMPT, max_new_tokens=4))
+
+
 def test_close_cancels() -> None:
     conn = ServerConnection(LIMITS, "s")
     conn.receive(OpenRequest(prompt_ids=PROMPT, max_new_tokens=4))

@@ -9,17 +9,9 @@ from protocol_sim import VOCAB, Network, reference
 ACTIONS = ["draft", "draft", "draft", "send", "branch", "up", "down", "verify", "reconnect"]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
-    max_new=st.integers(1, 24),
-    window=st.integers(1, 8),
-    alpha=st.sampled_from([0.0, 0.3, 0.7, 0.9, 1.0]),
-    salt=st.integers(0, 2**16),
-    data=st.data(),
-)
-def test_committed_tokens_equal_target_greedy(prompt, max_new, window, alpha, salt, data) -> None:
-    net = Network(prompt, max_new, window, alpha, salt)
+def play(net: Network, data: st.DataObject) -> None:
+    """Random interleavings of the edge's, the network's and the server's actions, then a fair
+    schedule to the end of the generation."""
     steps = data.draw(st.integers(0, 200), label="steps")
     for _ in range(steps):
         if net.edge.done is not None:
@@ -42,10 +34,45 @@ def test_committed_tokens_equal_target_greedy(prompt, max_new, window, alpha, sa
             net.reconnect()
         net.check_candidates_came_from_the_edge()
     net.finish()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
+    max_new=st.integers(1, 24),
+    window=st.integers(1, 8),
+    alpha=st.sampled_from([0.0, 0.3, 0.7, 0.9, 1.0]),
+    salt=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_committed_tokens_equal_target_greedy(prompt, max_new, window, alpha, salt, data) -> None:
+    net = Network(prompt, max_new, window, alpha, salt)
+    play(net, data)
     want = reference(prompt, max_new, net.max_context)
     assert net.edge.generated == want
     session = net.session
     assert session is not None and session.generated == want
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompts=st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6), min_size=2, max_size=3),
+    max_new=st.integers(1, 16),
+    window=st.integers(1, 8),
+    alpha=st.sampled_from([0.0, 0.7, 1.0]),
+    salt=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_generations_one_after_another_on_one_stream(prompts, max_new, window, alpha, salt, data) -> None:
+    """A stream that carries a device's generations one after another (a new Open after each
+    Done, the last one's drafts still in flight) gives each what a stream of its own would."""
+    net = Network(prompts[0], max_new, window, alpha, salt)
+    for n, prompt in enumerate(prompts):
+        if n:
+            net.next_generation(prompt, max_new, stale=data.draw(st.integers(0, 3), label="stale"))
+        play(net, data)
+        assert net.edge.generated == reference(prompt, max_new, net.max_context)
+        assert net.session is not None and net.session.generated == net.edge.generated
 
 
 @settings(max_examples=100, deadline=None)

@@ -104,6 +104,9 @@ def render_markdown(report: dict, name: str) -> str:
     ramp, warmup = s.get("ramp_s", 0.0), s.get("warmup_s", 0.0)  # reports from before: all at once
     arrival = (f"sessions start spread evenly over {ramp:g} s and are measured from {warmup:g} s after the "
                "last has started" if ramp or warmup else "all sessions start at once")
+    # Reports from before the choice: a new call for every generation.
+    calls = ("a new call for every generation" if s.get("call_per_generation", True)
+             else "its generations one after another on one stream")
     lines = [
         f"# gRPC load test: {name}",
         "",
@@ -113,7 +116,8 @@ def render_markdown(report: dict, name: str) -> str:
         *_describe_models(report["models"]),
         f"- server arguments: `{' '.join(report['server_args'])}`",
         f"- network: {report['network']}",
-        f"- each point: N sessions, each on its own connection, generating back to back {per_point}; {arrival}; "
+        f"- each point: N sessions, each on its own connection ({calls}), generating back to back {per_point}; "
+        f"{arrival}; "
         f"{s['max_new_tokens']} new tokens per generation, greedy, {len(report['prompts'])} prompts cycled "
         f"({PROMPT_SETS[report.get('prompt_set', 'stubs')]}), "  # reports from before the choice used the stubs
         f"lookahead window {_window(s)}",

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=0.0,
                    help="seconds after the ramp before the measured window opens, so that the start-up's prefills "
                    "and waits are left out; needs --duration (default 0)")
+    p.add_argument("--call-per-generation", action="store_true",
+                   help="every generation on a new call, as edges did before they kept their stream for the next "
+                   "generation (default: one stream per session, a new Open on it after each Done)")
     p.add_argument("--prompts", choices=list(PROMPT_SETS), default="stubs",
                    help="stubs: six short plain-text openings (default); benchmark: the benchmark's 12 prompts "
                    "under the target's chat template, for a trained --target")
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                                 draft_delay_ms=args.draft_delay_ms,
                                 branch_coverage=args.branch_coverage, seed=args.seed,
                                 duration_s=None if args.generations else args.duration, generations=args.generations,
-                                ramp_s=args.ramp, warmup_s=args.warmup)
+                                ramp_s=args.ramp, warmup_s=args.warmup,
+                                call_per_generation=args.call_per_generation)
     except ValueError as exc:  # a negative ramp, a warm-up without a duration
         print(f"error: {exc}", file=sys.stderr)
         return 2

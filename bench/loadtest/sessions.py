@@ -20,6 +20,8 @@ from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_ms, verdict_latency_ms
 from specsplit.edge.client import ConnectOptions, EdgeConfig, GenerationResult, generate
 from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.stream import GenerateStream
+from specsplit.v1.specsplit_pb2_grpc import SpecSplitStub
 
 KINDS = {"none": "none", "sim": "async", "onnx": "async"}  # session kind -> edge client mode
 ERROR_PAUSE_S = 0.05  # after a failed generation: a refused Open must not become a busy loop
@@ -48,6 +50,9 @@ class LoadSettings:
     # another do (0: all at once); the window opens when the last has started.
     ramp_s: float = 0.0
     warmup_s: float = 0.0  # and this much later still: the start-up's prefills and waits left out
+    # Each generation on a call of its own, as edges did before they kept their stream
+    # between generations (edge/stream.py): every generation then waits to have its call taken.
+    call_per_generation: bool = False
 
     def __post_init__(self) -> None:
         if (self.duration_s is None) == (self.generations is None):
@@ -188,6 +193,7 @@ class _Session:
         s = self.spec
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         async with grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS) as channel:
+            stream = None if s.settings.call_per_generation else GenerateStream(SpecSplitStub(channel))
             n = 0
             while self._more(n, deadline):
                 prompt = self._prompt(n)
@@ -197,7 +203,7 @@ class _Session:
                     self.log.window_s = deadline - max(started, opens)
                 try:
                     result = await generate(s.address, s.prompts[prompt], self.cfg, drafter=self._drafter(prompt),
-                                            fingerprint=s.fingerprint, channel=channel,
+                                            fingerprint=s.fingerprint, channel=channel, stream=stream,
                                             connect=ConnectOptions(retries=0))
                 except grpc.aio.AioRpcError as exc:
                     self.log.errors[exc.code().name] += 1
@@ -208,6 +214,8 @@ class _Session:
                     await asyncio.sleep(ERROR_PAUSE_S)
                     continue
                 self.log.records.append(_record(result, s.references[prompt], started, opens, deadline))
+            if stream is not None:
+                stream.close()
 
 
 async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], total: int | None = None) -> LoadRun:

@@ -24,6 +24,7 @@ from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, Drafter
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.stats import GenerationStats
+from specsplit.edge.stream import GenerateStream
 from specsplit.protocol import codec
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import (
@@ -41,6 +42,10 @@ MODES = {"async": DraftMode.ASYNC, "sync": DraftMode.SYNC, "none": DraftMode.NON
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
 # Statuses after which the same generation is re-opened (here or on the next server).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class StreamEnded(ConnectionError):
+    """The server ended the call before the session's Done."""
 
 
 class StreamStalled(Exception):
@@ -145,19 +150,13 @@ class _Generation:
         self._choices: dict[tuple[int, int], DraftChoice] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self.stall_timeout_s: float | None = None
-        self._outgoing: asyncio.Queue = asyncio.Queue()  # holds at most a window of drafts
         self.metadata: tuple[tuple[str, str], ...] = ()
+        self._stream: GenerateStream | None = None
 
     def _send(self, msg) -> None:  # type: ignore[no-untyped-def]
+        assert self._stream is not None
         self.stats.bytes_up += msg.ByteSize() + GRPC_FRAME_BYTES
-        self._outgoing.put_nowait(msg)
-
-    async def _requests(self):  # type: ignore[no-untyped-def]
-        """The request stream. gRPC's own task sends it, so a message still queued when the
-        server ends the call is dropped quietly instead of failing the call (a direct
-        write racing the server's final status turns that status into INTERNAL)."""
-        while (msg := await self._outgoing.get()) is not None:
-            yield msg
+        self._stream.send(msg)
 
     async def _read_one(self, call):  # type: ignore[no-untyped-def]
         try:
@@ -166,7 +165,7 @@ class _Generation:
             call.cancel()
             raise StreamStalled(f"no message from the server for {self.stall_timeout_s} s") from None
         if msg is grpc.aio.EOF:
-            raise ConnectionError("the server ended the stream before Done")
+            raise StreamEnded("the server ended the stream before Done")
         self.stats.bytes_down += msg.ByteSize() + GRPC_FRAME_BYTES
         return codec.server_from_pb(msg)
 
@@ -182,37 +181,55 @@ class _Generation:
         if self.cfg.timeline:
             self.timeline.append(event)
 
-    async def run(self, stub: pb_grpc.SpecSplitStub) -> GenerationResult:
+    async def run(self, stream: GenerateStream) -> GenerationResult:
+        """Generate on `stream`'s call (begun here if it has none), leaving it open for the
+        next generation; after a failure the call is cancelled."""
         t0 = self._t0 = time.perf_counter()
-        call = stub.Generate(self._requests(), metadata=self.metadata or None)
-        self._send(codec.open_to_pb(self.request))
-        opened = await self._read_one(call)
-        if not isinstance(opened, Opened):
-            raise ConnectionError(f"expected Opened first, got {type(opened).__name__}")
-        self.stats.opened_s = time.perf_counter() - t0
-        self._max_window = min(self.cfg.window, opened.max_lookahead)
-        self._server_lookahead = opened.max_lookahead
-        window = self.cfg.k if self.cfg.mode == "sync" else self._lookahead()
-        self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
-        drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop(call))
+        self._stream = stream
+        drafting = None
         try:
-            try:
-                await self._read_loop(call, t0)
-            except BaseException:
-                if drafting is not None:
-                    drafting.cancel()
-                    await asyncio.gather(drafting, return_exceptions=True)
-                raise
+            opened = await self._open(stream)
+            self.stats.opened_s = time.perf_counter() - t0
+            self._max_window = min(self.cfg.window, opened.max_lookahead)
+            self._server_lookahead = opened.max_lookahead
+            window = self.cfg.k if self.cfg.mode == "sync" else self._lookahead()
+            self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
+            drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
+            await self._read_loop(stream.call, t0)
             if drafting is not None:
                 await drafting  # Done arrived: the drafting loop sees it and stops
+        except BaseException:
+            if drafting is not None:
+                drafting.cancel()
+                await asyncio.gather(drafting, return_exceptions=True)
+            stream.abort()
+            raise
         finally:
-            self._outgoing.put_nowait(None)  # half-close
             # A cancelled drafting loop can leave a step running in the pool's thread. Wait for
             # it: a retry, or the next generation of a long-lived client, reuses the drafter,
             # whose caches must never be stepped from two threads at once.
             await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown)
+        assert self.edge is not None
         self.stats.finish(self.edge, time.perf_counter() - t0, self.commit_times)
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
+
+    async def _open(self, stream: GenerateStream) -> Opened:
+        """Send the Open and read the Opened. A kept call that the server ended while it
+        idled is replaced by a new one."""
+        fresh = stream.begin(self.metadata)
+        while True:
+            self._send(codec.open_to_pb(self.request))
+            try:
+                event = await self._read_one(stream.call)
+            except StreamEnded:
+                if fresh:
+                    raise
+                stream.abort()
+                fresh = stream.begin(self.metadata)
+                continue
+            if not isinstance(event, Opened):
+                raise ConnectionError(f"expected Opened first, got {type(event).__name__}")
+            return event
 
     async def _read_loop(self, call, t0: float) -> None:  # type: ignore[no-untyped-def]
         edge = self.edge
@@ -244,7 +261,7 @@ class _Generation:
         self._changed.clear()
         await self._changed.wait()
 
-    async def _draft_loop(self, call) -> None:  # type: ignore[no-untyped-def]
+    async def _draft_loop(self) -> None:
         edge, drafter = self.edge, self.drafter
         assert edge is not None and drafter is not None
         loop = asyncio.get_running_loop()
@@ -416,10 +433,14 @@ async def generate(
     on_commit: Callable[[list[int]], None] | None = None,
     channel: grpc.aio.Channel | None = None,
     connect: ConnectOptions = ConnectOptions(),
+    stream: GenerateStream | None = None,
 ) -> GenerationResult:
     """Generate one completion of `prompt_ids` through a server (host:port, or a list to
     fail over along). A lost server or stream costs only time: the generation is re-opened
-    with everything committed so far, so the final text is the same."""
+    with everything committed so far, so the final text is the same.
+
+    With `stream`, the generation runs on that stream's call and leaves it open for the
+    device's next generation (stream.py); else on a call of its own, on `channel` if given."""
     addresses = [servers] if isinstance(servers, str) else list(servers)
     committed = list(committed_ids)
     backoff = connect.backoff_s
@@ -428,11 +449,13 @@ async def generate(
         gen.stall_timeout_s = connect.stall_timeout_s
         gen.metadata = (("authorization", f"Bearer {connect.token}"),) if connect.token else ()
         try:
-            if channel is not None:
-                result = await gen.run(pb_grpc.SpecSplitStub(channel))
+            if stream is not None:
+                result = await gen.run(stream)
+            elif channel is not None:
+                result = await _on_own_call(gen, channel)
             else:
                 async with open_channel(addresses[attempt % len(addresses)], connect) as ch:
-                    result = await gen.run(pb_grpc.SpecSplitStub(ch))
+                    result = await _on_own_call(gen, ch)
             result.stats.reconnects = attempt
             return result
         except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
@@ -444,3 +467,11 @@ async def generate(
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 8.0)
     raise AssertionError("the retry loop returns or raises")
+
+
+async def _on_own_call(gen: _Generation, channel: grpc.aio.Channel) -> GenerationResult:
+    """A generation on a call that ends with it: half-closed after its Done."""
+    stream = GenerateStream(pb_grpc.SpecSplitStub(channel))
+    result = await gen.run(stream)
+    stream.close()
+    return result

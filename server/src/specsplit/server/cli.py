@@ -120,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens_limit,
         max_message_bytes=args.max_message_bytes,
         grace_s=args.grace,
-        linger_s=args.stalled_edge_timeout,
+        idle_stream_s=args.idle_stream_timeout,
         metrics_port=args.metrics_port,
         tls=tls,
         tokens_file=Path(args.tokens_file) if args.tokens_file else None,
@@ -292,8 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="larger messages get RESOURCE_EXHAUSTED")
     s.add_argument("--grace", type=float, default=10.0, help="seconds open sessions get to finish on SIGTERM")
     s.add_argument("--stalled-edge-timeout", type=float, default=30.0,
-                   help="seconds an edge may leave its verdicts unread before its session is ended, and, "
-                   "after its Done, keep its stream open before the server ends it")
+                   help="seconds an edge may leave its verdicts unread before its session is ended")
+    s.add_argument("--idle-stream-timeout", type=float, default=30.0,
+                   help="seconds a stream stays open after a session's Done, for the device's next generation "
+                   "(a new Open on the same stream, without a new call) or its half-close")
     s.add_argument("--listeners", type=int, default=4,
                    help="gRPC servers sharing the port (SO_REUSEPORT, Linux), each taking new calls on its own: "
                    "one takes them one at a time, which under hundreds of devices keeps calls waiting; 1 where "

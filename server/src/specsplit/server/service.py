@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.protocol import codec, errors
-from specsplit.protocol.messages import Done, OpenRequest, ServerLimits, Verdict
+from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
@@ -27,6 +27,7 @@ from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecSplit"].full_name
+HALF_CLOSED = object()  # put in a stream's outbox once the edge sends nothing more
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,11 @@ class ServeConfig:
     # Keepalive: a vanished edge is noticed within about keepalive_s + keepalive_timeout_s.
     keepalive_s: float = 20.0
     keepalive_timeout_s: float = 10.0
-    # After Done, how long to wait for the edge to half-close before ending the call: ending it
-    # while the edge still writes fails those writes and, with them, the call at the edge. A
-    # busy edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
-    linger_s: float = 30.0
+    # After a session's Done, how long the stream stays open for the device's next Open (its next
+    # generation, without a new call) or its half-close. Ending it sooner while the edge still
+    # writes its last drafts would fail those writes and, with them, the call at the edge: a busy
+    # edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
+    idle_stream_s: float = 30.0
     # gRPC servers on the port (listeners.py): with 384 devices starting generations on one GPU
     # server, a call waited 1.4 s (p90) for its Opened with one, 0.26 s with four
     # (docs/capacity.md). Every server shares the one worker.
@@ -86,7 +88,8 @@ class SpecSplitService:
     async def _read(
         self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue, stream_task: asyncio.Task
     ) -> None:
-        """Feed the edge's messages to the core; errors go to the outbox as exceptions.
+        """Feed the edge's messages to the core; errors go to the outbox as exceptions, and
+        HALF_CLOSED once the edge sends nothing more.
 
         Requests arrive as raw bytes so that a message that does not parse is answered
         with INVALID_ARGUMENT instead of the framework's INTERNAL."""
@@ -97,7 +100,7 @@ class SpecSplitService:
                 except DecodeError:
                     raise errors.MalformedMessage("message does not parse as a specsplit.v1.EdgeMessage") from None
                 event = codec.edge_from_pb(msg)
-                if isinstance(event, OpenRequest) and conn.session is None:
+                if isinstance(event, OpenRequest) and conn.idle:
                     if self.draining:
                         raise errors.ServerBusy("server is shutting down; open the session on another server")
                     if self.worker.held() >= self.cfg.max_sessions:
@@ -107,7 +110,8 @@ class SpecSplitService:
                 out = conn.receive(event)
                 for item in out:
                     await outbox.put(item)
-                if isinstance(event, OpenRequest) and conn.session is not None and conn.session.done is None:
+                if isinstance(event, OpenRequest) and not conn.idle:
+                    assert conn.session is not None
                     self.worker.add(SessionHandle(conn.session, outbox, kv=self.worker.engine.new_state(),
                                                   stream_task=stream_task))
                     self.metrics.sessions_total.inc()
@@ -119,51 +123,69 @@ class SpecSplitService:
             if handle is not None:  # the edge sends nothing more: the server decodes the rest itself
                 handle.sending = False
                 self.worker.notify()
+            await outbox.put(HALF_CLOSED)
         except errors.ProtocolError as exc:
             await outbox.put(exc)
 
     async def Generate(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        """One stream: its sessions one after another. It ends once the edge has half-closed
+        and no session is open, or when it has stayed idle after a Done for idle_stream_s."""
         conn = ServerConnection(self.limits, uuid.uuid4().hex[:12])
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
         reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
-        self.metrics.sessions_active.inc()
+        session: str | None = None  # the open session's id, from its Opened to its Done
+        half_closed = False
         reason = "disconnected"
         try:
             while True:
-                item = await outbox.get()
+                if session is None and conn.session is not None:  # between sessions
+                    try:
+                        item = await asyncio.wait_for(outbox.get(), self.cfg.idle_stream_s)
+                    except asyncio.TimeoutError:
+                        return
+                else:
+                    item = await outbox.get()
+                if item is HALF_CLOSED:
+                    if session is None:
+                        return
+                    half_closed = True
+                    continue  # the session goes on without drafts; its Done follows
                 if isinstance(item, errors.ProtocolError):
                     reason = "error"
                     self.metrics.errors.labels(item.status).inc()
-                    log.info("session %s: %s: %s", conn.session_id, item.status, item.message,
-                             extra={"session": conn.session_id})
+                    log.info("session %s: %s: %s", session or conn.stream_id, item.status, item.message,
+                             extra={"session": session or conn.stream_id})
                     await context.abort(grpc.StatusCode[item.status], item.message)
                 if isinstance(item, Exception):
                     reason = "error"
                     self.metrics.errors.labels("INTERNAL").inc()
                     await context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {item}")
-                if isinstance(item, Verdict):
+                if isinstance(item, Opened):
+                    session = item.session_id
+                    self.metrics.sessions_active.inc()
+                elif isinstance(item, Verdict):
                     self.metrics.tokens_committed.inc(len(item.tokens))
                     self.metrics.drafts_proposed.inc(item.proposed)
                     self.metrics.drafts_accepted.inc(item.accepted)
                 yield codec.server_to_pb(item)
                 if isinstance(item, Done):
-                    reason = item.reason.name.lower()
-                    log.info("session %s: done (%s) at %d tokens", conn.session_id, reason, item.committed_length,
-                             extra={"session": conn.session_id})
-                    # Let the edge half-close first: ending the call while its last drafts are
-                    # still being written would fail those writes and, with them, the call.
-                    try:
-                        await asyncio.wait_for(asyncio.shield(reader), self.cfg.linger_s)
-                    except asyncio.TimeoutError:
-                        pass
-                    return
+                    log.info("session %s: done (%s) at %d tokens", session, item.reason.name.lower(),
+                             item.committed_length, extra={"session": session})
+                    self._ended(item.reason.name.lower())
+                    session = None
+                    if half_closed:
+                        return
         finally:
             reader.cancel()
-            self.worker.remove(conn.session_id)
+            if session is not None:
+                self.worker.remove(session)
+                self._ended(reason)
             if conn.session is not None:
                 conn.session.cancel()
-            self.metrics.sessions_active.dec()
-            self.metrics.sessions_ended.labels(reason).inc()
+
+    def _ended(self, reason: str) -> None:
+        self.metrics.sessions_active.dec()
+        self.metrics.sessions_ended.labels(reason).inc()
 
 
 def _generic_handler(service: SpecSplitService) -> grpc.GenericRpcHandler:

@@ -392,18 +392,29 @@ class ServerSession:
 
 
 class ServerConnection:
-    """One stream: Open exactly once, then drafts, then an optional Close."""
+    """One stream: sessions one after another, each begun by an Open once the one before it
+    is Done (a device keeps its stream for its next generation instead of starting a call);
+    drafts and an optional Close go to the current session."""
 
-    def __init__(self, limits: ServerLimits, session_id: str) -> None:
+    def __init__(self, limits: ServerLimits, stream_id: str) -> None:
         self.limits = limits
-        self.session_id = session_id
+        self.stream_id = stream_id
+        self.opens = 0
         self.session: ServerSession | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No session, or the last one is Done: the next message may be an Open."""
+        return self.session is None or self.session.done is not None
 
     def receive(self, event: OpenRequest | DraftChunk | Close) -> list[Opened | Done]:
         if isinstance(event, OpenRequest):
-            if self.session is not None:
-                raise errors.SecondOpen("this stream already has a session; Open is sent once, first")
-            self.session = ServerSession(event, self.limits, self.session_id)
+            if not self.idle:
+                raise errors.SecondOpen("this stream's session is still open: send the next Open after its Done")
+            self.opens += 1
+            # The first session is named after its stream, later ones numbered after it.
+            session_id = self.stream_id if self.opens == 1 else f"{self.stream_id}.{self.opens}"
+            self.session = ServerSession(event, self.limits, session_id)
             out: list[Opened | Done] = [self.session.opened()]
             if self.session.done is not None:
                 out.append(self.session.done)
@@ -411,6 +422,7 @@ class ServerConnection:
         if self.session is None:
             raise errors.DraftBeforeOpen("the first message of a stream must be Open")
         if isinstance(event, DraftChunk):
+            # A done session ignores drafts: those the edge sent before it read the Done.
             self.session.receive_draft(event)
             return []
         done = self.session.cancel()

@@ -1,0 +1,62 @@
+"""One Generate call that carries a device's generations one after another.
+
+A new call waits in the server's queue of calls not yet taken, which under hundreds of
+devices took longer than the first verification (docs/capacity.md); a message on a call the
+server already serves does not. So a device keeps its call between generations and sends its
+next Open on it (the protocol allows a new Open once the last session is Done), and starts a
+new call only when it has none, after a failure, or once the server has ended an idle one.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from specsplit.v1 import specsplit_pb2 as pb
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+
+
+class GenerateStream:
+    def __init__(self, stub: pb_grpc.SpecSplitStub) -> None:
+        self._stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._outgoing: asyncio.Queue[pb.EdgeMessage | None] = asyncio.Queue()
+
+    @property
+    def call(self) -> grpc.aio.StreamStreamCall:
+        if self._call is None:
+            raise RuntimeError("no call: begin() first")
+        return self._call
+
+    def begin(self, metadata: tuple[tuple[str, str], ...] = ()) -> bool:
+        """Make sure a call is open for the next generation; True if this started a new one."""
+        if self._call is not None and not self._call.done():
+            return False
+        self._outgoing = asyncio.Queue()
+        self._call = self._stub.Generate(self._requests(self._outgoing), metadata=metadata or None)
+        return True
+
+    @staticmethod
+    async def _requests(outgoing: asyncio.Queue[pb.EdgeMessage | None]) -> AsyncIterator[pb.EdgeMessage]:
+        """The request stream. gRPC's own task sends it, so a message still queued when the
+        server ends the call is dropped quietly instead of failing the call (a direct write
+        racing the server's final status turns that status into INTERNAL)."""
+        while (msg := await outgoing.get()) is not None:
+            yield msg
+
+    def send(self, msg: pb.EdgeMessage) -> None:
+        self._outgoing.put_nowait(msg)
+
+    def close(self) -> None:
+        """Half-close: the server finishes the open session, if any, and ends the call."""
+        if self._call is not None:
+            self._outgoing.put_nowait(None)
+            self._call = None
+
+    def abort(self) -> None:
+        """Cancel the call (after a failure, or a generation given up); the next begins anew."""
+        if self._call is not None:
+            self._call.cancel()
+            self._outgoing.put_nowait(None)
+            self._call = None

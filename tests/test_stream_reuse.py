@@ -1,0 +1,75 @@
+"""A device's generations one after another on one stream: each as on a call of its own,
+and a stream the server ended for idling replaced without the caller noticing."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from conftest import free_port, launch_server
+from specsplit.edge.client import EdgeConfig, generate
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.stream import GenerateStream
+from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from test_end_to_end import reference
+from test_reliability import metric, wait_for
+
+PROMPTS = ["def add(a, b):", "The weather today", "for i in range(10):"]
+CONFIGS = [EdgeConfig(mode="async", max_new_tokens=24), EdgeConfig(mode="none", max_new_tokens=12),
+           EdgeConfig(mode="sync", k=3, max_new_tokens=20)]
+
+
+def test_generations_share_a_stream_until_it_idles_out(tiny, tmp_path) -> None:
+    tokenizer = EdgeTokenizer(tiny.draft_dir)
+    drafter = OnnxDrafter(tiny.draft_dir)
+    mport = free_port()
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--metrics-port", str(mport),
+                       "--idle-stream-timeout", "0.5") as (address, _):
+        metrics = f"127.0.0.1:{mport}"
+
+        async def main() -> list:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stream = GenerateStream(pb_grpc.SpecSplitStub(channel))
+                results = []
+                for prompt, cfg in zip(PROMPTS, CONFIGS):
+                    results.append(await generate(address, tokenizer.encode(prompt), cfg, drafter=drafter,
+                                                  fingerprint=tokenizer.fingerprint, stream=stream))
+                await asyncio.sleep(2.0)  # past the idle timeout: the server ends the call
+                results.append(await generate(address, tokenizer.encode(PROMPTS[0]), CONFIGS[0], drafter=drafter,
+                                              fingerprint=tokenizer.fingerprint, stream=stream))
+                stream.close()
+                return results
+
+        results = asyncio.run(main())
+        for result, prompt, cfg in zip(results, [*PROMPTS, PROMPTS[0]], [*CONFIGS, CONFIGS[0]]):
+            assert result.tokens == reference(str(tiny.target_dir), tokenizer.encode(prompt), cfg.max_new_tokens)
+            assert result.stats.reconnects == 0
+        first = results[0].opened.session_id
+        # The next two opened on the first one's stream; the last on a new call.
+        assert [r.opened.session_id for r in results[1:3]] == [f"{first}.2", f"{first}.3"]
+        assert "." not in results[3].opened.session_id and results[3].opened.session_id != first
+        assert metric(metrics, "specsplit_sessions_total") == 4
+        assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
+        ended = metric(metrics, "specsplit_sessions_ended_total")
+        assert ended == 4, ended
+
+
+def test_an_idle_stream_ends_with_an_ok_status(tiny, tmp_path) -> None:
+    """The server ends a stream that stays idle after a Done, cleanly: the edge sees the
+    end of the stream, not an error."""
+    tokenizer = EdgeTokenizer(tiny.draft_dir)
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--idle-stream-timeout", "0.3") as (address, _):
+
+        async def main() -> tuple[grpc.StatusCode, float]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stream = GenerateStream(pb_grpc.SpecSplitStub(channel))
+                await generate(address, tokenizer.encode(PROMPTS[1]), CONFIGS[1], fingerprint=tokenizer.fingerprint,
+                               stream=stream)
+                done = time.monotonic()
+                assert await stream.call.read() is grpc.aio.EOF
+                return await stream.call.code(), time.monotonic() - done
+
+        code, idle = asyncio.run(main())
+        assert code == grpc.StatusCode.OK and idle >= 0.2
