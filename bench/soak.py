@@ -23,7 +23,9 @@ from tiny_models import build_tiny_pair
 
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.v1.specsplit_pb2_grpc import SpecSplitStub
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import numpy as np", "Hello, how are"]
@@ -43,16 +45,22 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
         drafter = OnnxDrafter(draft_dir)
         modes = ["async", "sync", "none"]
         n = 0
-        while time.monotonic() < deadline:
-            cfg = EdgeConfig(mode=modes[n % 3], max_new_tokens=16 + (i + n) % 48, window=8, k=4)
-            try:
-                r = await generate(address, prompts[(i + n) % len(prompts)], cfg, drafter=drafter,
-                                   fingerprint=tok.fingerprint, connect=ConnectOptions(retries=0))
-                done += 1
-                tokens += len(r.tokens)
-            except grpc.aio.AioRpcError as exc:
-                errors[exc.code().name] += 1
-            n += 1
+        async with grpc.aio.insecure_channel(address) as channel:
+            # Half the devices keep their stream between generations, half start a call for each.
+            stream = GenerateStream(SpecSplitStub(channel)) if i % 2 == 0 else None
+            while time.monotonic() < deadline:
+                cfg = EdgeConfig(mode=modes[n % 3], max_new_tokens=16 + (i + n) % 48, window=8, k=4)
+                try:
+                    r = await generate(address, prompts[(i + n) % len(prompts)], cfg, drafter=drafter,
+                                       fingerprint=tok.fingerprint, channel=channel, stream=stream,
+                                       connect=ConnectOptions(retries=0))
+                    done += 1
+                    tokens += len(r.tokens)
+                except grpc.aio.AioRpcError as exc:
+                    errors[exc.code().name] += 1
+                n += 1
+            if stream is not None:
+                stream.close()
 
     async def sample() -> None:
         while time.monotonic() < deadline:
@@ -84,7 +92,8 @@ def main() -> int:
               "rss_after_warmup_mb": warm[0] / 2**20, "rss_end_mb": warm[-1] / 2**20, "rss_growth": growth,
               "margin": args.margin, "passed": passed,
               "setup": "tiny random-weight qwen2 models; server pinned to core 1; edges in one process (mixed "
-                       "async/sync/none sessions, 16-63 new tokens each, restarted back to back)"}
+                       "async/sync/none sessions, 16-63 new tokens each, restarted back to back; half the edges keep "
+                       "their stream between generations, half start a call for each)"}
     out = HERE / "results" / "soak.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")

@@ -12,6 +12,8 @@ from specsplit.edge.client import EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol import codec
+from specsplit.protocol.messages import Done, DoneReason, Opened, Verdict
 from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from test_end_to_end import reference
 from test_reliability import metric, wait_for
@@ -73,3 +75,56 @@ def test_an_idle_stream_ends_with_an_ok_status(tiny, tmp_path) -> None:
 
         code, idle = asyncio.run(main())
         assert code == grpc.StatusCode.OK and idle >= 0.2
+
+
+class _Call:
+    """A scripted call: its messages, then the end of the stream or an error."""
+
+    def __init__(self, script: list, error: grpc.StatusCode | None) -> None:
+        self.script = [codec.server_to_pb(m) for m in script]
+        self.error = error
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return False  # as a call looks before its status has come
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    async def read(self):  # type: ignore[no-untyped-def]
+        if self.script:
+            return self.script.pop(0)
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+        await asyncio.sleep(3600)
+
+
+class _Stub:
+    def __init__(self, calls: list[_Call]) -> None:
+        self.calls = calls
+        self.started = 0
+
+    def Generate(self, requests, metadata=None):  # type: ignore[no-untyped-def]  # noqa: N802 (gRPC's name)
+        self.started += 1
+        return self.calls[self.started - 1]
+
+
+def _generation(session: str) -> list:
+    return [Opened(session, "t", 4096, 32, 64), Verdict(3, (9, 9), 0, 0, 5), Done(DoneReason.LENGTH, 5)]
+
+
+def test_a_kept_call_that_failed_while_idle_is_replaced() -> None:
+    """A kept call whose failure shows only when the next Open is read (the server shut down
+    meanwhile, say) costs the generation nothing: it goes out again on a new call."""
+    dead = _Call(_generation("a"), grpc.StatusCode.CANCELLED)
+    stub = _Stub([dead, _Call(_generation("b"), None)])
+    cfg = EdgeConfig(mode="none", max_new_tokens=2)
+
+    async def main() -> list:
+        stream = GenerateStream(stub)  # type: ignore[arg-type]
+        return [await generate("unused", [1, 2, 3], cfg, stream=stream) for _ in range(2)]
+
+    first, second = asyncio.run(main())
+    assert (first.opened.session_id, second.opened.session_id) == ("a", "b")
+    assert second.tokens == [9, 9] and second.stats.reconnects == 0
+    assert stub.started == 2 and dead.cancelled

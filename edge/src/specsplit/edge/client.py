@@ -214,14 +214,15 @@ class _Generation:
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
     async def _open(self, stream: GenerateStream) -> Opened:
-        """Send the Open and read the Opened. A kept call that the server ended while it
-        idled is replaced by a new one."""
+        """Send the Open and read the Opened. A kept call that ended while it idled (the
+        server's idle timeout, its shutdown) is replaced by a new one; a failure that was
+        the answer to the Open comes again on the new call and is raised then."""
         fresh = stream.begin(self.metadata)
         while True:
             self._send(codec.open_to_pb(self.request))
             try:
                 event = await self._read_one(stream.call)
-            except StreamEnded:
+            except (StreamEnded, grpc.aio.AioRpcError):
                 if fresh:
                     raise
                 stream.abort()
