@@ -18,6 +18,8 @@ from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 
 class GenerateStream:
+    """A device's Generate call, kept for its generations one after another (client.generate)."""
+
     def __init__(self, stub: pb_grpc.SpecSplitStub) -> None:
         self._stub = stub
         self._call: grpc.aio.StreamStreamCall | None = None
