@@ -184,6 +184,21 @@ def test_edge_cli_streams_text_and_stats(tiny, server) -> None:
     assert proc.stdout.strip().splitlines()[-1].startswith("[sync] 10 tokens")
 
 
+def test_edge_cli_generates_each_line_of_its_input_on_one_stream(tiny, server) -> None:
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
+         "--max-new-tokens", "8", "--json", "--raw", "--prompts-file", "-"],
+        input=f"{prompts[0]}\n\n{prompts[1]}\n", capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    tok = EdgeTokenizer(tiny.draft_dir)
+    assert [line["token_ids"] for line in lines] == [reference(str(tiny.target_dir), tok.encode(p), 8) for p in prompts]
+    first = lines[0]["session_id"]
+    assert lines[1]["session_id"] == f"{first}.2"  # the second opened on the first one's stream
+
+
 def test_health_and_reflection(server) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 

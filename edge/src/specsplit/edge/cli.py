@@ -6,7 +6,9 @@ import asyncio
 import functools
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 
@@ -14,10 +16,20 @@ import os
 
 from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.edge.branching import MIN_CHANCE
-from specsplit.edge.client import MODES, ConnectOptions, EdgeConfig, StreamStalled, generate
+from specsplit.edge.client import (
+    MODES,
+    ConnectOptions,
+    EdgeConfig,
+    GenerationResult,
+    StreamStalled,
+    generate,
+    open_channel,
+)
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
+from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.messages import SamplingParams, VerificationMode
+from specsplit.v1.specsplit_pb2_grpc import SpecSplitStub
 
 VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MATCH, "sparse-q": VerificationMode.SPARSE_Q}
 
@@ -40,12 +52,26 @@ class TextStream:
             self.printed = text
 
 
+async def _prompts(args: argparse.Namespace) -> AsyncIterator[str]:
+    """PROMPT, or the lines of --prompts-file as they come (standard input for '-', so a
+    person can type them one by one), blank lines skipped."""
+    if args.prompts_file is None:
+        yield args.prompt
+        return
+    source = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
+    try:
+        while line := await asyncio.get_running_loop().run_in_executor(None, source.readline):
+            if line.strip():
+                yield line.rstrip("\n")
+    finally:
+        if source is not sys.stdin:
+            source.close()
+
+
 async def _generate(args: argparse.Namespace) -> int:
     directory = Path(args.draft)
     tokenizer = EdgeTokenizer(directory)
     drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
-    text = args.prompt if args.raw else tokenizer.chat_prompt(args.prompt)
-    prompt_ids = tokenizer.encode(text)
     cfg = EdgeConfig(
         mode=args.mode,
         window=args.window,
@@ -60,31 +86,49 @@ async def _generate(args: argparse.Namespace) -> int:
         stop_ids=tuple(args.stop_id),
         timeline=args.timeline,
     )
-    stream = None if args.json else TextStream(tokenizer)
-    result = await generate(
-        [s.strip() for s in args.server.split(",") if s.strip()],
-        prompt_ids,
-        cfg,
-        drafter=drafter,
-        fingerprint=tokenizer.fingerprint,
-        draft_model=str(directory),
-        on_commit=stream,
-        connect=connect_options(args),
-    )
-    final = tokenizer.decode(result.tokens)
-    if args.stats_json:
-        Path(args.stats_json).write_text(
-            json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens,
-                        "commit_times": result.commit_times, "timeline": result.timeline})
-        )
-    if args.json:
-        print(json.dumps({**result.stats.as_dict(), "text": final, "token_ids": result.tokens}))
-    else:
-        if stream is not None and final.startswith(stream.printed):
-            sys.stdout.write(final[len(stream.printed) :])
-        print()
-        print(result.stats.line())
+    servers = [s.strip() for s in args.server.split(",") if s.strip()]
+    connect = connect_options(args)
+    stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
+    # One server: every prompt's generation on one kept stream (a new Open after each Done,
+    # no new call). Several: a call for each, so that a lost server is failed over.
+    channel = open_channel(servers[0], connect) if len(servers) == 1 else None
+    stream = GenerateStream(SpecSplitStub(channel)) if channel is not None else None
+    try:
+        async for prompt in _prompts(args):
+            text = prompt if args.raw else tokenizer.chat_prompt(prompt)
+            shown = None if args.json else TextStream(tokenizer)
+            result = await generate(servers, tokenizer.encode(text), cfg, drafter=drafter,
+                                    fingerprint=tokenizer.fingerprint, draft_model=str(directory),
+                                    on_commit=shown, connect=connect, stream=stream)
+            _report(result, tokenizer, args, shown, stats_file)
+    finally:
+        if stream is not None:
+            stream.close()
+        if channel is not None:
+            await channel.close(grace=1.0)  # time for the server to end the half-closed call
+        if stats_file is not None:
+            stats_file.close()
     return 0
+
+
+def _report(result: GenerationResult, tokenizer: EdgeTokenizer, args: argparse.Namespace,
+            shown: TextStream | None, stats_file: TextIO | None) -> None:
+    """One generation's output: its text and stats line, or one JSON object (a line each)."""
+    final = tokenizer.decode(result.tokens)
+    session = result.opened.session_id if result.opened is not None else None
+    if stats_file is not None:
+        stats_file.write(json.dumps({**result.stats.as_dict(), "session_id": session, "text": final,
+                                     "token_ids": result.tokens, "commit_times": result.commit_times,
+                                     "timeline": result.timeline}) + "\n")
+        stats_file.flush()
+    if args.json:
+        print(json.dumps({**result.stats.as_dict(), "session_id": session, "text": final,
+                          "token_ids": result.tokens}), flush=True)
+    else:
+        if shown is not None and final.startswith(shown.printed):
+            sys.stdout.write(final[len(shown.printed) :])
+        print()
+        print(result.stats.line(), flush=True)
 
 
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
@@ -106,9 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True,
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
-    g = sub.add_parser("generate", help="generate a completion of PROMPT",
+    g = sub.add_parser("generate", help="generate a completion of PROMPT (or of each line of --prompts-file)",
                        epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN.")
-    g.add_argument("prompt", metavar="PROMPT")
+    g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt (or give --prompts-file)")
+    g.add_argument("--prompts-file", metavar="FILE",
+                   help="instead of PROMPT: generate for each line of FILE in turn ('-': standard input, a line "
+                   "at a time as it is typed), on one kept stream when one --server is given; --json and "
+                   "--stats-json then give a JSON line per prompt")
     g.add_argument("--server", required=True,
                    help="HOST:PORT of the specsplit server; a comma-separated list fails over in order")
     g.add_argument("--draft", required=True, help="draft export directory (specsplit-server export-draft)")
@@ -153,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.prompts_file is None):
+        parser.error("give either PROMPT or --prompts-file")
     try:
         return asyncio.run(_generate(args))
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
