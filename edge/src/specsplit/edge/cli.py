@@ -115,15 +115,13 @@ def _report(result: GenerationResult, tokenizer: EdgeTokenizer, args: argparse.N
             shown: TextStream | None, stats_file: TextIO | None) -> None:
     """One generation's output: its text and stats line, or one JSON object (a line each)."""
     final = tokenizer.decode(result.tokens)
-    session = result.opened.session_id if result.opened is not None else None
+    record = {**result.stats.as_dict(), "session_id": result.opened.session_id if result.opened else None,
+              "text": final, "token_ids": result.tokens}
     if stats_file is not None:
-        stats_file.write(json.dumps({**result.stats.as_dict(), "session_id": session, "text": final,
-                                     "token_ids": result.tokens, "commit_times": result.commit_times,
-                                     "timeline": result.timeline}) + "\n")
+        stats_file.write(json.dumps({**record, "commit_times": result.commit_times, "timeline": result.timeline}) + "\n")
         stats_file.flush()
     if args.json:
-        print(json.dumps({**result.stats.as_dict(), "session_id": session, "text": final,
-                          "token_ids": result.tokens}), flush=True)
+        print(json.dumps(record), flush=True)
     else:
         if shown is not None and final.startswith(shown.printed):
             sys.stdout.write(final[len(shown.printed) :])
