@@ -25,7 +25,6 @@ from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
-from specsplit.v1.specsplit_pb2_grpc import SpecSplitStub
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import numpy as np", "Hello, how are"]
@@ -47,7 +46,7 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
         n = 0
         async with grpc.aio.insecure_channel(address) as channel:
             # Half the devices keep their stream between generations, half start a call for each.
-            stream = GenerateStream(SpecSplitStub(channel)) if i % 2 == 0 else None
+            stream = GenerateStream.on(channel) if i % 2 == 0 else None
             while time.monotonic() < deadline:
                 cfg = EdgeConfig(mode=modes[n % 3], max_new_tokens=16 + (i + n) % 48, window=8, k=4)
                 try:

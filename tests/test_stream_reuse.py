@@ -14,7 +14,6 @@ from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol import codec
 from specsplit.protocol.messages import Done, DoneReason, Opened, Verdict
-from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from test_end_to_end import reference
 from test_reliability import metric, wait_for
 
@@ -33,7 +32,7 @@ def test_generations_share_a_stream_until_it_idles_out(tiny, tmp_path) -> None:
 
         async def main() -> list:
             async with grpc.aio.insecure_channel(address) as channel:
-                stream = GenerateStream(pb_grpc.SpecSplitStub(channel))
+                stream = GenerateStream.on(channel)
                 results = []
                 for prompt, cfg in zip(PROMPTS, CONFIGS):
                     results.append(await generate(address, tokenizer.encode(prompt), cfg, drafter=drafter,
@@ -66,7 +65,7 @@ def test_an_idle_stream_ends_with_an_ok_status(tiny, tmp_path) -> None:
 
         async def main() -> tuple[grpc.StatusCode, float]:
             async with grpc.aio.insecure_channel(address) as channel:
-                stream = GenerateStream(pb_grpc.SpecSplitStub(channel))
+                stream = GenerateStream.on(channel)
                 await generate(address, tokenizer.encode(PROMPTS[1]), CONFIGS[1], fingerprint=tokenizer.fingerprint,
                                stream=stream)
                 done = time.monotonic()

@@ -21,7 +21,6 @@ from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_m
 from specsplit.edge.client import ConnectOptions, EdgeConfig, GenerationResult, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
-from specsplit.v1.specsplit_pb2_grpc import SpecSplitStub
 
 KINDS = {"none": "none", "sim": "async", "onnx": "async"}  # session kind -> edge client mode
 ERROR_PAUSE_S = 0.05  # after a failed generation: a refused Open must not become a busy loop
@@ -193,7 +192,7 @@ class _Session:
         s = self.spec
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         async with grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS) as channel:
-            stream = None if s.settings.call_per_generation else GenerateStream(SpecSplitStub(channel))
+            stream = None if s.settings.call_per_generation else GenerateStream.on(channel)
             n = 0
             while self._more(n, deadline):
                 prompt = self._prompt(n)

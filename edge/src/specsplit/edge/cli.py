@@ -29,7 +29,6 @@ from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.messages import SamplingParams, VerificationMode
-from specsplit.v1.specsplit_pb2_grpc import SpecSplitStub
 
 VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MATCH, "sparse-q": VerificationMode.SPARSE_Q}
 
@@ -92,7 +91,7 @@ async def _generate(args: argparse.Namespace) -> int:
     # One server: every prompt's generation on one kept stream (a new Open after each Done,
     # no new call). Several: a call for each, so that a lost server is failed over.
     channel = open_channel(servers[0], connect) if len(servers) == 1 else None
-    stream = GenerateStream(SpecSplitStub(channel)) if channel is not None else None
+    stream = GenerateStream.on(channel) if channel is not None else None
     try:
         async for prompt in _prompts(args):
             text = prompt if args.raw else tokenizer.chat_prompt(prompt)

@@ -36,7 +36,6 @@ from specsplit.protocol.messages import (
     Verdict,
     VerificationMode,
 )
-from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 MODES = {"async": DraftMode.ASYNC, "sync": DraftMode.SYNC, "none": DraftMode.NONE}
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
@@ -472,7 +471,7 @@ async def generate(
 
 async def _on_own_call(gen: _Generation, channel: grpc.aio.Channel) -> GenerationResult:
     """A generation on a call that ends with it: half-closed after its Done."""
-    stream = GenerateStream(pb_grpc.SpecSplitStub(channel))
+    stream = GenerateStream.on(channel)
     result = await gen.run(stream)
     stream.close()
     return result

@@ -25,6 +25,10 @@ class GenerateStream:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._outgoing: asyncio.Queue[pb.EdgeMessage | None] = asyncio.Queue()
 
+    @classmethod
+    def on(cls, channel: grpc.aio.Channel) -> GenerateStream:
+        return cls(pb_grpc.SpecSplitStub(channel))
+
     @property
     def call(self) -> grpc.aio.StreamStreamCall:
         if self._call is None:
@@ -60,5 +64,4 @@ class GenerateStream:
         """Cancel the call (after a failure, or a generation given up); the next begins anew."""
         if self._call is not None:
             self._call.cancel()
-            self._outgoing.put_nowait(None)
-            self._call = None
+            self.close()
