@@ -55,6 +55,7 @@ def test_generations_share_a_stream_until_it_idles_out(tiny, tmp_path) -> None:
         assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
         ended = metric(metrics, "specsplit_sessions_ended_total")
         assert ended == 4, ended
+        assert metric(metrics, 'specsplit_idle_streams_ended_total{reason="timeout"}') == 1
 
 
 def test_an_idle_stream_ends_with_an_ok_status(tiny, tmp_path) -> None:
@@ -127,3 +128,58 @@ def test_a_kept_call_that_failed_while_idle_is_replaced() -> None:
     assert (first.opened.session_id, second.opened.session_id) == ("a", "b")
     assert second.tokens == [9, 9] and second.stats.reconnects == 0
     assert stub.started == 2 and dead.cancelled
+
+
+def test_past_the_idle_limit_the_longest_idle_stream_ends_and_its_device_carries_on(tiny, tmp_path) -> None:
+    """With room for one idle stream, a second device going idle ends the first one's stream
+    (OK, counted by reason); the first device's next generation goes out on a new call, and
+    the second keeps its stream."""
+    tokenizer = EdgeTokenizer(tiny.draft_dir)
+    mport = free_port()
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--metrics-port", str(mport),
+                       "--max-idle-streams", "1") as (address, _):
+        metrics = f"127.0.0.1:{mport}"
+
+        async def run(stream: GenerateStream, prompt: str):  # type: ignore[no-untyped-def]
+            return await generate(address, tokenizer.encode(prompt), CONFIGS[1], fingerprint=tokenizer.fingerprint,
+                                  stream=stream)
+
+        async def main() -> tuple[list, grpc.StatusCode]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                first, second = GenerateStream.on(channel), GenerateStream.on(channel)
+                results = [await run(first, PROMPTS[0])]
+                assert wait_for(lambda: metric(metrics, "specsplit_streams_idle") == 1)
+                results.append(await run(second, PROMPTS[1]))
+                assert await first.call.read() is grpc.aio.EOF  # told to end: the longest idle
+                code = await first.call.code()
+                results += [await run(second, PROMPTS[2]), await run(first, PROMPTS[0])]
+                first.close()
+                second.close()
+                return results, code
+
+        results, code = asyncio.run(main())
+        assert code == grpc.StatusCode.OK
+        for result, prompt in zip(results, [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]]):
+            assert result.tokens == reference(str(tiny.target_dir), tokenizer.encode(prompt), CONFIGS[1].max_new_tokens)
+            assert result.stats.reconnects == 0
+        ids = [r.opened.session_id for r in results]
+        assert ids[2] == f"{ids[1]}.2"  # the second device kept its stream
+        assert "." not in ids[3] and ids[3] != ids[0]  # the first started a new call
+        # The first stream, then the second: it was the longest idle when the first device idled again.
+        assert wait_for(lambda: metric(metrics, 'specsplit_idle_streams_ended_total{reason="limit"}') == 2)
+        assert metric(metrics, 'specsplit_idle_streams_ended_total{reason="timeout"}') == 0
+
+
+def test_a_call_that_sends_no_open_ends_with_deadline_exceeded(tiny, tmp_path) -> None:
+    """A call that holds a stream and never opens a session is not kept for ever."""
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--idle-stream-timeout", "0.3") as (address, _):
+
+        async def main() -> tuple[grpc.StatusCode, str]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stream = GenerateStream.on(channel)
+                stream.begin()
+                await stream.call.wait_for_connection()
+                return await stream.call.code(), await stream.call.details()
+
+        code, details = asyncio.run(asyncio.wait_for(main(), 30))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "no Open message within 0.3 s" in details

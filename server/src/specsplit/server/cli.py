@@ -55,6 +55,12 @@ def _serve(args: argparse.Namespace) -> int:
     if not args.gil_switch_ms > 0:
         print(f"error: --gil-switch-ms must be above 0, got {args.gil_switch_ms}", file=sys.stderr)
         return 2
+    if not args.idle_stream_timeout > 0:
+        print(f"error: --idle-stream-timeout must be above 0, got {args.idle_stream_timeout}", file=sys.stderr)
+        return 2
+    if args.max_idle_streams < 0:
+        print(f"error: --max-idle-streams must be 0 or more, got {args.max_idle_streams}", file=sys.stderr)
+        return 2
     # The target thread lets go of the GIL in every torch call and must get it back from the
     # event loop, which under load is always busy with messages: at Python's default of 5 ms
     # per hand-over, a GPU pass stretched well past its GPU time.
@@ -121,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         grace_s=args.grace,
         idle_stream_s=args.idle_stream_timeout,
+        max_idle_streams=args.max_idle_streams,
         metrics_port=args.metrics_port,
         tls=tls,
         tokens_file=Path(args.tokens_file) if args.tokens_file else None,
@@ -295,7 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an edge may leave its verdicts unread before its session is ended")
     s.add_argument("--idle-stream-timeout", type=float, default=30.0,
                    help="seconds a stream stays open after a session's Done, for the device's next generation "
-                   "(a new Open on the same stream, without a new call) or its half-close")
+                   "(a new Open on the same stream, without a new call) or its half-close; also how long a new "
+                   "stream may take to send its Open (else DEADLINE_EXCEEDED)")
+    s.add_argument("--max-idle-streams", type=int, default=1024,
+                   help="streams kept open between sessions at once; past it the longest idle one is ended as the "
+                   "timeout would end it (its device starts a new call for its next generation; 0: none kept)")
     s.add_argument("--listeners", type=int, default=4,
                    help="gRPC servers sharing the port (SO_REUSEPORT, Linux), each taking new calls on its own: "
                    "one takes them one at a time, which under hundreds of devices keeps calls waiting; 1 where "

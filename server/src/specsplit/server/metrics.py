@@ -11,6 +11,11 @@ class ServerMetrics:
         self.sessions_active = Gauge("specsplit_sessions_active", "Sessions currently open", registry=r)
         self.sessions_total = Counter("specsplit_sessions", "Sessions opened", registry=r)
         self.sessions_ended = Counter("specsplit_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
+        self.streams_idle = Gauge("specsplit_streams_idle", "Streams open between sessions, for their device's "
+                                  "next generation", registry=r)
+        self.idle_streams_ended = Counter("specsplit_idle_streams_ended", "Streams ended between sessions by the "
+                                          "server: idle too long (timeout) or too many idle (limit)", ["reason"],
+                                          registry=r)
         self.tokens_committed = Counter("specsplit_tokens_committed", "Tokens committed", registry=r)
         self.drafts_proposed = Counter("specsplit_drafts_proposed", "Drafts verified", registry=r)
         self.drafts_accepted = Counter("specsplit_drafts_accepted", "Drafts accepted", registry=r)

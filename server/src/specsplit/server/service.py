@@ -19,6 +19,7 @@ from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits,
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
+from specsplit.server.idle_streams import EVICTED, IdleStreams
 from specsplit.server.listeners import bind_listeners, check_listeners
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
@@ -52,6 +53,8 @@ class ServeConfig:
     # writes its last drafts would fail those writes and, with them, the call at the edge: a busy
     # edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
     idle_stream_s: float = 30.0
+    # Streams idle between sessions held at once; past it the longest idle is ended (idle_streams.py).
+    max_idle_streams: int = 1024
     # gRPC servers on the port (listeners.py): with 384 devices starting generations on one GPU
     # server, a call waited 1.4 s (p90) for its Opened with one, 0.26 s with four
     # (docs/capacity.md). Every server shares the one worker.
@@ -59,6 +62,10 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners)  # before the model loads, not when the port is bound
+        if not self.idle_stream_s > 0:
+            raise ValueError(f"the idle stream timeout must be above 0 s, got {self.idle_stream_s}")
+        if self.max_idle_streams < 0:
+            raise ValueError(f"the idle stream limit must be 0 or more, got {self.max_idle_streams}")
 
 
 def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
@@ -84,6 +91,8 @@ class SpecSplitService:
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
+        self.idle = IdleStreams(cfg.max_idle_streams)
+        metrics.streams_idle.set_function(lambda: len(self.idle))
 
     async def _read(
         self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue, stream_task: asyncio.Task
@@ -129,7 +138,9 @@ class SpecSplitService:
 
     async def Generate(self, request_iterator, context):  # type: ignore[no-untyped-def]
         """One stream: its sessions one after another. It ends once the edge has half-closed
-        and no session is open, or when it has stayed idle after a Done for idle_stream_s."""
+        and no session is open, or when it has stayed idle after a Done for idle_stream_s or
+        is the longest idle of more than max_idle_streams. A stream whose Open does not come
+        within idle_stream_s ends with DEADLINE_EXCEEDED."""
         conn = ServerConnection(self.limits, uuid.uuid4().hex[:12])
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
         reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
@@ -138,13 +149,22 @@ class SpecSplitService:
         reason = "disconnected"
         try:
             while True:
-                if session is None and conn.session is not None:  # between sessions
+                if session is None:  # before the first Open, or between sessions
                     try:
                         item = await asyncio.wait_for(outbox.get(), self.cfg.idle_stream_s)
                     except asyncio.TimeoutError:
+                        if conn.session is not None:
+                            self.metrics.idle_streams_ended.labels("timeout").inc()
+                            return
+                        item = errors.OpenTimeout(f"no Open message within {self.cfg.idle_stream_s:g} s")
+                    if item is EVICTED and conn.idle:
+                        self.metrics.idle_streams_ended.labels("limit").inc()
                         return
+                    self.idle.discard(conn.stream_id)
                 else:
                     item = await outbox.get()
+                if item is EVICTED:
+                    continue  # a session opened on the stream before it was told to end
                 if item is HALF_CLOSED:
                     if session is None:
                         return
@@ -175,8 +195,10 @@ class SpecSplitService:
                     session = None
                     if half_closed:
                         return
+                    self.idle.add(conn.stream_id, outbox)
         finally:
             reader.cancel()
+            self.idle.discard(conn.stream_id)
             if session is not None:
                 self.worker.remove(session)
                 self._ended(reason)

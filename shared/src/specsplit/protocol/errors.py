@@ -74,3 +74,9 @@ class MalformedMessage(ProtocolError):
 
 class ClosedBeforeOpen(ProtocolError):
     status = "FAILED_PRECONDITION"
+
+
+class OpenTimeout(ProtocolError):
+    """A stream's first message did not come in time: it held a call and sent nothing."""
+
+    status = "DEADLINE_EXCEEDED"

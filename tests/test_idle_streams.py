@@ -1,0 +1,60 @@
+"""The server's register of streams idle between sessions: who is told to end, and when."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from specsplit.server.idle_streams import EVICTED, IdleStreams
+
+
+def _told(outbox: asyncio.Queue) -> bool:
+    return not outbox.empty() and outbox.get_nowait() is EVICTED
+
+
+def test_the_longest_idle_is_told_first_and_a_stream_that_left_is_not() -> None:
+    idle = IdleStreams(2)
+    a, b, c, d = (asyncio.Queue(maxsize=4) for _ in range(4))
+    idle.add("a", a)
+    idle.add("b", b)
+    idle.discard("a")  # a session opened on it
+    idle.add("c", c)
+    assert not any(_told(q) for q in (a, b, c)) and len(idle) == 2
+    idle.add("d", d)
+    assert _told(b) and not any(_told(q) for q in (a, c, d)) and len(idle) == 2
+
+
+def test_a_stream_with_messages_waiting_is_left_alone() -> None:
+    """Its outbox full means a session opened on it after all: nothing to end."""
+    idle = IdleStreams(0)
+    busy = asyncio.Queue(maxsize=1)
+    busy.put_nowait("Opened")
+    idle.add("busy", busy)
+    assert busy.get_nowait() == "Opened" and busy.empty() and len(idle) == 0
+
+
+def test_a_negative_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="0 or more"):
+        IdleStreams(-1)
+
+
+@given(st.integers(0, 4), st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=40))
+def test_never_more_than_the_limit_and_only_the_longest_idle_told(limit: int, steps: list) -> None:
+    idle = IdleStreams(limit)
+    outboxes = {n: asyncio.Queue(maxsize=8) for n in range(8)}
+    order: list[int] = []  # the model: idle streams, longest idle first
+    for going_idle, n in steps:
+        if n in order:
+            order.remove(n)
+        if going_idle:
+            order.append(n)
+            idle.add(str(n), outboxes[n])
+            told = order[: max(0, len(order) - limit)]
+            del order[: len(told)]
+        else:
+            idle.discard(str(n))
+            told = []
+        assert [m for m in range(8) if _told(outboxes[m])] == sorted(told)
+        assert len(idle) == len(order) <= limit
