@@ -88,10 +88,10 @@ async def _generate(args: argparse.Namespace) -> int:
     servers = [s.strip() for s in args.server.split(",") if s.strip()]
     connect = connect_options(args)
     stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
-    # One server: every prompt's generation on one kept stream (a new Open after each Done,
-    # no new call). Several: a call for each, so that a lost server is failed over.
-    channel = open_channel(servers[0], connect) if len(servers) == 1 else None
-    stream = GenerateStream.on(channel) if channel is not None else None
+    # Every prompt's generation on one kept stream (a new Open after each Done, no new call),
+    # which moves to the next server only when its own fails.
+    channels = [open_channel(server, connect) for server in servers]
+    stream = GenerateStream.on(*channels)
     try:
         async for prompt in _prompts(args):
             text = prompt if args.raw else tokenizer.chat_prompt(prompt)
@@ -101,9 +101,8 @@ async def _generate(args: argparse.Namespace) -> int:
                                     on_commit=shown, connect=connect, stream=stream)
             _report(result, tokenizer, args, shown, stats_file)
     finally:
-        if stream is not None:
-            stream.close()
-        if channel is not None:
+        stream.close()
+        for channel in channels:
             await channel.close(grace=1.0)  # time for the server to end the half-closed call
         if stats_file is not None:
             stats_file.close()
@@ -152,10 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt (or give --prompts-file)")
     g.add_argument("--prompts-file", metavar="FILE",
                    help="instead of PROMPT: generate for each line of FILE in turn ('-': standard input, a line "
-                   "at a time as it is typed), on one kept stream when one --server is given; --json and "
-                   "--stats-json then give a JSON line per prompt")
+                   "at a time as it is typed), all on one kept stream; --json and --stats-json then give a "
+                   "JSON line per prompt")
     g.add_argument("--server", required=True,
-                   help="HOST:PORT of the specsplit server; a comma-separated list fails over in order")
+                   help="HOST:PORT of the specsplit server; a comma-separated list fails over in order (the stream "
+                   "stays on the server it failed over to)")
     g.add_argument("--draft", required=True, help="draft export directory (specsplit-server export-draft)")
     g.add_argument("--mode", choices=sorted(MODES), default="async", help="async (default), sync or none")
     g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")

@@ -440,7 +440,8 @@ async def generate(
     with everything committed so far, so the final text is the same.
 
     With `stream`, the generation runs on that stream's call and leaves it open for the
-    device's next generation (stream.py); else on a call of its own, on `channel` if given."""
+    device's next generation (stream.py), a retry going to the stream's next server, and
+    `servers` is not used; else on a call of its own, on `channel` if given."""
     addresses = [servers] if isinstance(servers, str) else list(servers)
     committed = list(committed_ids)
     backoff = connect.backoff_s
@@ -464,6 +465,8 @@ async def generate(
                 raise
             if gen.edge is not None:
                 committed = gen.edge.generated  # includes what earlier attempts committed
+            if stream is not None:
+                stream.fail_over()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 8.0)
     raise AssertionError("the retry loop returns or raises")

@@ -5,6 +5,8 @@ devices took longer than the first verification (docs/capacity.md); a message on
 server already serves does not. So a device keeps its call between generations and sends its
 next Open on it (the protocol allows a new Open once the last session is Done), and starts a
 new call only when it has none, after a failure, or once the server has ended an idle one.
+Given several servers it keeps to the one that served it last, and moves on to the next
+only after a failure (a generation's retry, client.generate).
 """
 from __future__ import annotations
 
@@ -18,16 +20,20 @@ from specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 
 
 class GenerateStream:
-    """A device's Generate call, kept for its generations one after another (client.generate)."""
+    """A device's Generate call, kept for its generations one after another (client.generate),
+    on the first of its servers (stubs) until fail_over."""
 
-    def __init__(self, stub: pb_grpc.SpecSplitStub) -> None:
-        self._stub = stub
+    def __init__(self, *stubs: pb_grpc.SpecSplitStub) -> None:
+        if not stubs:
+            raise ValueError("a stream needs a server")
+        self._stubs = stubs
+        self.server = 0  # index of the server (stub) that the next call goes to
         self._call: grpc.aio.StreamStreamCall | None = None
         self._outgoing: asyncio.Queue[pb.EdgeMessage | None] = asyncio.Queue()
 
     @classmethod
-    def on(cls, channel: grpc.aio.Channel) -> GenerateStream:
-        return cls(pb_grpc.SpecSplitStub(channel))
+    def on(cls, *channels: grpc.aio.Channel) -> GenerateStream:
+        return cls(*(pb_grpc.SpecSplitStub(channel) for channel in channels))
 
     @property
     def call(self) -> grpc.aio.StreamStreamCall:
@@ -40,7 +46,7 @@ class GenerateStream:
         if self._call is not None and not self._call.done():
             return False
         self._outgoing = asyncio.Queue()
-        self._call = self._stub.Generate(self._requests(self._outgoing), metadata=metadata or None)
+        self._call = self._stubs[self.server].Generate(self._requests(self._outgoing), metadata=metadata or None)
         return True
 
     @staticmethod
@@ -59,6 +65,12 @@ class GenerateStream:
         if self._call is not None:
             self._outgoing.put_nowait(None)
             self._call = None
+
+    def fail_over(self) -> None:
+        """After a failed call: the next goes to the next server, or, with one, to the same
+        (its channel reconnects by itself)."""
+        self.abort()
+        self.server = (self.server + 1) % len(self._stubs)
 
     def abort(self) -> None:
         """Cancel the call (after a failure, or a generation given up); the next begins anew."""
