@@ -20,6 +20,7 @@ from certs import make_pki
 from conftest import free_port, launch_server
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.hashing import HashedSequence
 from specsplit.common.fingerprint import vocab_fingerprint
@@ -171,17 +172,39 @@ def test_session_limit_is_resource_exhausted(tiny, limited) -> None:
     assert metric(metrics, "specsplit_errors_total") >= 1
 
 
-def test_sigterm_drains(tiny, tmp_path) -> None:
+def test_sigterm_drains_and_devices_move_on(tiny, server, tmp_path) -> None:
+    """On SIGTERM the server reports NOT_SERVING, answers new sessions UNAVAILABLE, lets the
+    open one finish within the grace period and exits 0; a device whose kept stream is on it
+    opens its next generation on its next server."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids, cfg = tok.encode("def add(a, b):"), EdgeConfig(mode="none", max_new_tokens=8)
+    connect = ConnectOptions(retries=2, backoff_s=0.1)
     with launch_server(tiny.target_dir, tmp_path / "s.log", "--grace", "3") as (address, proc):
         held = HeldSession(address)  # an open session that will not finish by itself
         try:
-            proc.send_signal(signal.SIGTERM)
-            with grpc.insecure_channel(address) as ch:
-                health = health_pb2_grpc.HealthStub(ch)
-                assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
-                                == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
-            code, _ = raw_stream(address, [open_msg(PROMPT)])
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            async def device() -> tuple:
+                channels = [grpc.aio.insecure_channel(a) for a in (address, server)]
+                stream = GenerateStream.on(*channels)
+                before = await generate("unused", ids, cfg, fingerprint=tok.fingerprint, connect=connect,
+                                        stream=stream)
+                proc.send_signal(signal.SIGTERM)
+                with grpc.insecure_channel(address) as ch:
+                    health = health_pb2_grpc.HealthStub(ch)
+                    assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
+                                    == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+                code, _ = raw_stream(address, [open_msg(PROMPT)])
+                after = await generate("unused", ids, cfg, fingerprint=tok.fingerprint, connect=connect,
+                                       stream=stream)
+                stream.close()
+                for channel in channels:
+                    await channel.close(grace=1.0)
+                return before, after, code
+
+            before, after, code = asyncio.run(device())
+            assert code == grpc.StatusCode.UNAVAILABLE
+            assert before.tokens == after.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens)
+            assert (before.stats.reconnects, after.stats.reconnects) == (0, 1)
             assert proc.wait(timeout=30) == 0
         finally:
             held.close()
@@ -249,6 +272,39 @@ def test_edge_resumes_on_another_server_when_its_server_dies(tiny, server, tmp_p
     assert result.tokens == want
     assert result.stats.reconnects >= 1
     assert all(b >= a for a, b in zip(seen, seen[1:])), "committed tokens went backwards"
+
+
+def test_a_kept_stream_fails_over_and_stays_on_the_server_that_took_it(tiny, server, tmp_path) -> None:
+    """A device's stream over two servers: the first dies between generations; the next
+    generation resumes on the second, and the one after keeps to the second's stream."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    drafter = OnnxDrafter(tiny.draft_dir)
+    prompts = ["def add(a, b):", "The quick brown fox", "for i in range(10):"]
+    cfg = EdgeConfig(max_new_tokens=20, mode="async")
+    connect = ConnectOptions(retries=3, backoff_s=0.1, stall_timeout_s=5)
+    with launch_server(tiny.target_dir, tmp_path / "doomed.log") as (doomed, proc):
+
+        async def main() -> list:
+            channels = [grpc.aio.insecure_channel(a) for a in (doomed, server)]
+            stream = GenerateStream.on(*channels)
+            results = []
+            for i, prompt in enumerate(prompts):
+                if i == 1:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                results.append(await generate("unused", tok.encode(prompt), cfg, drafter=drafter,
+                                              fingerprint=tok.fingerprint, connect=connect, stream=stream))
+            stream.close()
+            for channel in channels:
+                await channel.close(grace=1.0)
+            return results
+
+        results = asyncio.run(main())
+    for result, prompt in zip(results, prompts):
+        assert result.tokens == reference(str(tiny.target_dir), tok.encode(prompt), cfg.max_new_tokens)
+    assert [r.stats.reconnects for r in results] == [0, 1, 0]
+    ids = [r.opened.session_id for r in results]
+    assert ids[2] == f"{ids[1]}.2" and ids[1] != ids[0]  # the third on the second server's stream
 
 
 def test_stalled_network_recovers_or_fails_unavailable(tiny, server) -> None:

@@ -71,9 +71,10 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
         models = choose_models(Path(tmp), opts.target, opts.target_config, opts.draft, "onnx" in cfg.modes)
         prompts = load_prompts(models.target_dir, opts.prompt_set)
         metrics_port = free_port()
-        # The session limit is not under test: room for the largest point, with margin.
-        server_args = ("--max-sessions", str(2 * cfg.most()), "--device", opts.device, *models.server_args,
-                       *opts.server_args)
+        # The session and idle-stream limits are not under test: room for the largest point, with margin.
+        room = str(2 * cfg.most())
+        server_args = ("--max-sessions", room, "--max-idle-streams", room, "--device", opts.device,
+                       *models.server_args, *opts.server_args)
         log(f"starting the server (cores {list(opts.server_cores) or 'any'}) ...")
         serve_args = ["--metrics-port", str(metrics_port), *server_args]
         server_log = opts.server_log or Path(tmp) / "server.log"

@@ -111,7 +111,7 @@ class SpecSplitService:
                 event = codec.edge_from_pb(msg)
                 if isinstance(event, OpenRequest) and conn.idle:
                     if self.draining:
-                        raise errors.ServerBusy("server is shutting down; open the session on another server")
+                        raise errors.ServerDraining("server is shutting down; open the session on another server")
                     if self.worker.held() >= self.cfg.max_sessions:
                         raise errors.ServerBusy(
                             f"server holds its limit of {self.cfg.max_sessions} sessions; retry later"

@@ -66,6 +66,13 @@ class ServerBusy(ProtocolError):
     status = "RESOURCE_EXHAUSTED"
 
 
+class ServerDraining(ProtocolError):
+    """The server is shutting down. UNAVAILABLE, the status edges retry, so that a device
+    given several servers opens its session on the next one."""
+
+    status = "UNAVAILABLE"
+
+
 class MalformedMessage(ProtocolError):
     """Bytes that do not parse as an EdgeMessage."""
 
