@@ -32,7 +32,8 @@ from specsplit.common.prefix import common_prefix
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
 from specsplit.server.loading import cpu_has_fast_bf16, load_model, resolve_dtype
 from specsplit.server.scheduler import PassFill, SchedulerConfig, SessionHandle, VerificationWorker
-from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, pass_shapes
+from specsplit.server.static_engine import (SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, kv_buckets,
+                                            pass_shapes)
 from conftest import free_port, launch_server
 from test_end_to_end import PROMPTS, reference
 from test_reliability import metric
@@ -41,23 +42,27 @@ from test_reliability import metric
 @pytest.mark.parametrize("kind", ["dynamic", "static", "static-fused"])
 def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
     """Padded caches and masks (dynamic), or slots, per-row offsets, bucket padding, prompts
-    fed in pieces over passes and feeds split over rows of one pass (static, and static with
-    its norms and MLPs compiled as on a GPU): every session gets the rows it gets alone from
-    the dynamic engine, over rounds of fresh, growing and cropped caches."""
+    fed in pieces over passes, feeds split over rows of one pass and attention over the
+    pass's KV bucket, not the whole slot (static, and static with its norms and MLPs
+    compiled as on a GPU): every session gets the rows it gets alone from the dynamic
+    engine, over rounds of fresh, growing and cropped caches."""
     loaded = load_model(str(tiny.target_dir))
     reference = TargetEngine(loaded)
     engine: TargetEngine | StaticEngine = reference
     if kind != "dynamic":
         # Fusing compiles the model's modules in place: the fused engine gets its own copy.
         fuse = kind == "static-fused"
-        engine = StaticEngine(load_model(str(tiny.target_dir)) if fuse else loaded, slots=6, max_len=160, fuse=fuse)
+        engine = StaticEngine(load_model(str(tiny.target_dir)) if fuse else loaded, slots=6, max_len=200, fuse=fuse)
         assert engine.fused == (3 * loaded.model.config.num_hidden_layers + 1 if fuse else 0)  # a layer: MLP and 2 norms
+        assert engine.kv_buckets == (128, 200)
+        run, kv_lens = engine._run, set()
+        engine._run = lambda b, f, kv_len, host: (kv_lens.add(kv_len), run(b, f, kv_len, host))[1]  # type: ignore[method-assign]
     rng = np.random.default_rng(0)
     vocab = reference.vocab_size
     worst = 0.0
     for _ in range(6):
         b = int(rng.integers(2, 7))
-        prefixes = [list(map(int, rng.integers(0, vocab, int(rng.integers(1, 80))))) for _ in range(b)]
+        prefixes = [list(map(int, rng.integers(0, vocab, int(rng.integers(1, 141))))) for _ in range(b)]
         alone, batched = [KVState() for _ in range(b)], [engine.new_state() for _ in range(b)]
         for _ in range(4):
             drafts = [list(map(int, rng.integers(0, vocab, int(rng.integers(0, 7))))) for _ in range(b)]
@@ -84,6 +89,14 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
             assert sorted(engine.free) == list(range(6))  # every slot back
     # fp32 rounding differs with the batch's shape; anything masked wrongly is off by whole units.
     assert worst < 1e-3, worst
+    if kind != "dynamic":
+        assert kv_lens == {128, 200}  # passes of short rows attended over the smaller bucket
+
+
+def test_kv_buckets_double_up_to_the_slot() -> None:
+    assert kv_buckets(2048) == (128, 256, 512, 1024, 2048)
+    assert kv_buckets(600) == (128, 256, 512, 600)
+    assert kv_buckets(128) == (128,) and kv_buckets(100) == (100,)
 
 
 def test_the_fused_engine_compiles_everything_before_serving(tiny) -> None:

@@ -5,8 +5,9 @@ whatever the batch, several times what the GPU computes. Graph replay removes th
 needs fixed shapes and fixed memory: so every session owns a slot (a row) of one cache
 of `max_len` positions, its tokens at positions 0..n-1 of its row, and a pass writes
 each session's new keys and values at its own offset in its own row. A pass is padded
-to a bucket of sessions and of tokens per session; one graph is captured per bucket
-pair, for every pair the scheduler's limits allow, before serving starts. Rollback is
+to a bucket of sessions, of tokens per session and of the positions its rows attend over
+(the longest row's, KV_BUCKETS); one graph is captured per bucket triple, for every
+triple the scheduler's limits allow, before serving starts. Rollback is
 free: a session's length is just where its next tokens will be written. Attention sees a session's own row up to each query's
 position, so padding changes nothing and results match the dynamic engine's. A long feed
 (a prompt) may take several rows of a pass, each the next piece of it in the same slot.
@@ -37,12 +38,24 @@ from specsplit.server.loading import LoadedModel
 SESSION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 144, 160, 176, 192,
                    208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512)
 TOKEN_BUCKETS = (1, 2, 4, 8, 12, 16, 32)
+# Attention reads each row's slot up to the pass's KV bucket, not the whole slot: gathering
+# all `max_len` positions of every row, and attending over them, cost a third of a 192-session
+# one-token pass at 512 positions (docs/capacity.md), and a slot's default is 2048.
+SMALLEST_KV_BUCKET = 128
 
 log = logging.getLogger(__name__)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:
     return next(s for s in sizes if s >= n)
+
+
+def kv_buckets(max_len: int) -> tuple[int, ...]:
+    """The KV lengths a pass may attend over: doublings from SMALLEST_KV_BUCKET, then max_len."""
+    sizes = [SMALLEST_KV_BUCKET]
+    while sizes[-1] < max_len:
+        sizes.append(2 * sizes[-1])
+    return (*sizes[:-1], max_len)
 
 
 class SlotCache:
@@ -65,17 +78,19 @@ class SlotCache:
         self.bytes_per_slot = 2 * self.k[:, 0].numel() * self.k.element_size()
         self.rows: torch.Tensor | None = None  # [batch]: slot of each row of the pass
         self.flat: torch.Tensor | None = None  # [batch * tokens]: slot * max_len + position of each new token
+        self.kv_len = max_len  # the positions of its slot each row of the pass attends over
 
-    def place(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+    def place(self, rows: torch.Tensor, positions: torch.Tensor, kv_len: int) -> None:
         self.rows = rows
         self.flat = (rows[:, None] * self.max_len + positions).reshape(-1)
+        self.kv_len = kv_len
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *args, **kwargs):  # type: ignore[no-untyped-def]
         out = []
         for store, new in ((self.k[layer], key), (self.v[layer], value)):
             heads, dim = store.shape[-2:]
             store.view(-1, heads, dim).index_copy_(0, self.flat, new.transpose(1, 2).reshape(-1, heads, dim))
-            out.append(store[self.rows].transpose(1, 2))  # [batch, heads, positions, dim]
+            out.append(store[self.rows, : self.kv_len].transpose(1, 2))  # [batch, heads, positions, dim]
         return out[0], out[1]
 
     def get_seq_length(self, layer: int = 0) -> int:
@@ -147,12 +162,13 @@ class StaticEngine:
         self.max_len = max_len
         # One slot more than sessions: padding rows of a pass write there.
         self.cache = SlotCache(self.model, slots + 1, max_len)
+        self.kv_buckets = kv_buckets(max_len)
         self.scratch = slots
         self.free = list(range(slots - 1, -1, -1))
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         AttentionInterface.register(GQA_ATTENTION, grouped_sdpa)
         self.fused = self._fuse() if (self.graphs if fuse is None else fuse) else 0
-        self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, dict]] = {}
+        self._captured: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict, dict]] = {}
         self._logits: torch.Tensor | None = None  # the graphs' shared logits output (flat)
         self._pool = None
 
@@ -171,7 +187,7 @@ class StaticEngine:
         try:
             # Sizes of 1 are compiled apart, and two equal sizes would be taken as one (duck sizing).
             for rows, tokens in ((2, 3), (2, 1), (1, 2), (1, 1)):
-                self._forward(self._inputs(rows, tokens))
+                self._forward(self._inputs(rows, tokens), self.kv_buckets[0])
         except Exception as exc:  # noqa: BLE001 - whatever failed, the modules as they were still serve
             unfuse(replaced)
             log.warning("cannot compile the target's norms and MLPs, running them eagerly: %s: %s",
@@ -213,16 +229,17 @@ class StaticEngine:
         return {"ids": zeros, "start": torch.zeros(b, dtype=torch.long, device=self.device),
                 "rows": torch.full((b,), self.scratch, dtype=torch.long, device=self.device)}
 
-    def _forward(self, inp: dict) -> dict:
+    def _forward(self, inp: dict, kv_len: int) -> dict:
         """The pass, on static inputs: ids [b, f], start [b] (each row's first new position),
-        rows [b] (each row's slot)."""
+        rows [b] (each row's slot); every real token's position is below kv_len."""
         ids, start = inp["ids"], inp["start"]
         f = ids.shape[1]
         positions = start[:, None] + torch.arange(f, device=ids.device)
-        # Query j of a row sees its row's positions 0..start + j.
-        keys = torch.arange(self.max_len, device=ids.device)
+        # Query j of a row sees its row's positions 0..start + j (a padding query past kv_len
+        # sees what there is: its row is thrown away).
+        keys = torch.arange(kv_len, device=ids.device)
         mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
-        self.cache.place(inp["rows"], positions.clamp(max=self.max_len - 1))
+        self.cache.place(inp["rows"], positions.clamp(max=self.max_len - 1), kv_len)
         # Grouped attention for this engine's passes only: the model object stays as loaded.
         config = self.model.config
         loaded_attention, config._attn_implementation = config._attn_implementation, GQA_ATTENTION
@@ -235,25 +252,27 @@ class StaticEngine:
     @torch.inference_mode()
     def capture_graphs(self, max_sessions: int, max_tokens: int) -> int:
         """Capture, before serving, the graph of every pass shape the scheduler's limits allow
-        (pass_shapes), so that no session waits behind a capture (each costs a few eager
-        passes). Returns how many were captured; without graphs, none."""
+        (pass_shapes, at every KV bucket), so that no session waits behind a capture (each
+        costs a few eager passes). Returns how many were captured; without graphs, none."""
         if not self.graphs:
             return 0
         # Rows, not sessions: a feed split over rows (VerifyItem.pieces) takes several of one slot.
         shapes = pass_shapes(max_sessions, max_tokens)
-        for b, f in sorted(shapes, key=lambda s: -s[0] * s[1]):  # the largest first sizes the logits buffer
-            self._capture(b, f)
-        return len(shapes)
+        # The largest first sizes the logits buffer (and the pool).
+        for b, f in sorted(shapes, key=lambda s: -s[0] * s[1]):
+            for kv_len in reversed(self.kv_buckets):
+                self._capture(b, f, kv_len)
+        return len(shapes) * len(self.kv_buckets)
 
-    def _capture(self, b: int, f: int) -> None:
-        if (b, f) in self._captured:
+    def _capture(self, b: int, f: int, kv_len: int) -> None:
+        if (b, f, kv_len) in self._captured:
             return
         inp = self._inputs(b, f)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph, as capture requires
-                warm = self._forward(inp)
+                warm = self._forward(inp, kv_len)
         torch.cuda.current_stream().wait_stream(stream)
         vocab, dtype = warm["logits"].shape[-1], warm["logits"].dtype
         del warm
@@ -261,7 +280,7 @@ class StaticEngine:
             self._logits = torch.empty(b * f * vocab, dtype=dtype, device=self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(inp)
+            out = self._forward(inp, kv_len)
             # Every graph writes its logits into one shared buffer (graphs never run at once),
             # so that the pool can reuse the memory of each graph's own logits: kept per graph,
             # the logits of a hundred-odd shapes outgrow an 80 GB card.
@@ -269,13 +288,13 @@ class StaticEngine:
             logits.copy_(out["logits"])
             out = {"logits": logits, "best": out["best"]}
         self._pool = graph.pool()  # one memory pool for all graphs: they never run at once
-        self._captured[(b, f)] = (graph, inp, out)
+        self._captured[(b, f, kv_len)] = (graph, inp, out)
 
-    def _run(self, b: int, f: int, host: dict) -> dict:
+    def _run(self, b: int, f: int, kv_len: int, host: dict) -> dict:
         if not self.graphs:
-            return self._forward({k: v.to(self.device) for k, v in host.items()})
-        self._capture(b, f)  # a shape outside the limits captured at start
-        graph, inp, out = self._captured[(b, f)]
+            return self._forward({k: v.to(self.device) for k, v in host.items()}, kv_len)
+        self._capture(b, f, kv_len)  # a shape outside the limits captured at start
+        graph, inp, out = self._captured[(b, f, kv_len)]
         for k, v in host.items():
             inp[k].copy_(v, non_blocking=True)
         graph.replay()
@@ -335,6 +354,7 @@ class StaticEngine:
 
     def _pass(self, items: Sequence[VerifyItem], starts: list[int], chunks: list[list[int]]) -> dict:
         b, f = self.padded_shape(len(items), max(len(c) for c in chunks))
+        kv_len = bucket(max(s + len(c) for s, c in zip(starts, chunks)), self.kv_buckets)
         # Filled in numpy and handed over whole: a torch op per row costs more host time
         # than the rest of a row's share of a graph replay.
         ids = np.zeros((b, f), dtype=np.int64)
@@ -344,4 +364,4 @@ class StaticEngine:
         start[: len(starts)] = starts
         rows = np.full(b, self.scratch, dtype=np.int64)
         rows[: len(items)] = [it.kv.slot for it in items]  # type: ignore[attr-defined]
-        return self._run(b, f, {k: torch.from_numpy(v) for k, v in (("ids", ids), ("start", start), ("rows", rows))})
+        return self._run(b, f, kv_len, {k: torch.from_numpy(v) for k, v in (("ids", ids), ("start", start), ("rows", rows))})
