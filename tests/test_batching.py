@@ -52,7 +52,8 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
     if kind != "dynamic":
         # Fusing compiles the model's modules in place: the fused engine gets its own copy.
         fuse = kind == "static-fused"
-        engine = StaticEngine(load_model(str(tiny.target_dir)) if fuse else loaded, slots=6, max_len=200, fuse=fuse)
+        engine = StaticEngine(load_model(str(tiny.target_dir)) if fuse else loaded, slots=6, max_len=200, fuse=fuse,
+                              bucket_kv=True)
         assert engine.fused == (3 * loaded.model.config.num_hidden_layers + 1 if fuse else 0)  # a layer: MLP and 2 norms
         assert engine.kv_buckets == (128, 200)
         run, kv_lens = engine._run, set()

@@ -367,6 +367,7 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--engine", "static", "--max-verify-tokens", "40"], "at most 31 drafts"),
         (["--target", "/no/such/model", "--gil-switch-ms", "0"], "--gil-switch-ms must be above 0"),
         (["--target", "/no/such/model", "--fuse"], "it needs --engine static"),
+        (["--target", "/no/such/model", "--kv-buckets"], "it needs --engine static"),
         (["--target", "/no/such/model", "--idle-stream-timeout", "0"], "--idle-stream-timeout must be above 0"),
         (["--target", "/no/such/model", "--max-idle-streams", "-1"], "--max-idle-streams must be 0 or more"),
     ],

@@ -14,6 +14,7 @@ import pytest
 import accept_rate
 import gpu_passes
 import host_cost
+import kv_bucket_passes
 import replay
 import report
 from loadtest import capacity
@@ -26,6 +27,7 @@ RENDERERS: list[tuple[tuple[str, ...], Callable[[dict, str], str]]] = [
     (("gpu-passes", "cpu-passes"), lambda r, _: gpu_passes.render(r)),
     (("accept-rate",), accept_rate.render),
     (("host-cost",), lambda r, _: host_cost.render(r)),
+    (("kv-bucket-passes",), lambda r, _: kv_bucket_passes.render(r)),
     (("replay",), lambda r, _: replay.render(r)),
     (("loadtest", "capacity-gpu-"), loadtest_report.render_markdown),
     (("capacity-gpu",), capacity.render),

@@ -5,9 +5,9 @@ whatever the batch, several times what the GPU computes. Graph replay removes th
 needs fixed shapes and fixed memory: so every session owns a slot (a row) of one cache
 of `max_len` positions, its tokens at positions 0..n-1 of its row, and a pass writes
 each session's new keys and values at its own offset in its own row. A pass is padded
-to a bucket of sessions, of tokens per session and of the positions its rows attend over
-(the longest row's, KV_BUCKETS); one graph is captured per bucket triple, for every
-triple the scheduler's limits allow, before serving starts. Rollback is
+to a bucket of sessions and of tokens per session (and, with bucket_kv, of the positions its
+rows attend over: kv_buckets); one graph is captured per bucket pair (triple), for every one
+the scheduler's limits allow, before serving starts. Rollback is
 free: a session's length is just where its next tokens will be written. Attention sees a session's own row up to each query's
 position, so padding changes nothing and results match the dynamic engine's. A long feed
 (a prompt) may take several rows of a pass, each the next piece of it in the same slot.
@@ -38,9 +38,9 @@ from specsplit.server.loading import LoadedModel
 SESSION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 144, 160, 176, 192,
                    208, 224, 240, 256, 288, 320, 352, 384, 416, 448, 480, 512)
 TOKEN_BUCKETS = (1, 2, 4, 8, 12, 16, 32)
-# Attention reads each row's slot up to the pass's KV bucket, not the whole slot: gathering
-# all `max_len` positions of every row, and attending over them, cost a third of a 192-session
-# one-token pass at 512 positions (docs/capacity.md), and a slot's default is 2048.
+# With bucket_kv, attention reads each row's slot up to the pass's KV bucket, not the whole
+# slot: gathering all `max_len` positions of every row and attending over them cost 1.4 to
+# 2.5 times the pass at 2048 positions and short sessions (docs/capacity.md).
 SMALLEST_KV_BUCKET = 128
 
 log = logging.getLogger(__name__)
@@ -153,16 +153,21 @@ def pass_shapes(max_sessions: int, max_tokens: int) -> list[tuple[int, int]]:
 
 class StaticEngine:
     def __init__(self, loaded: LoadedModel, slots: int, max_len: int, graphs: bool | None = None,
-                 fuse: bool | None = None) -> None:
+                 fuse: bool | None = None, bucket_kv: bool = False) -> None:
         """`graphs` (default: on a GPU) captures a CUDA graph per pass shape; `fuse` (default:
-        with graphs) compiles the model's norms and MLPs in place (`fusion.fuse_pointwise`)."""
+        with graphs) compiles the model's norms and MLPs in place (`fusion.fuse_pointwise`);
+        `bucket_kv` has a pass attend over its KV bucket (kv_buckets), not the whole slot.
+
+        bucket_kv is off by default: it makes every pass faster, but in a load test of
+        server-only sessions at 512 positions the server then ran more, smaller passes and
+        held fewer sessions at the SLO (docs/capacity.md)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.max_len = max_len
         # One slot more than sessions: padding rows of a pass write there.
         self.cache = SlotCache(self.model, slots + 1, max_len)
-        self.kv_buckets = kv_buckets(max_len)
+        self.kv_buckets = kv_buckets(max_len) if bucket_kv else (max_len,)
         self.scratch = slots
         self.free = list(range(slots - 1, -1, -1))
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
