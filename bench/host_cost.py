@@ -66,9 +66,9 @@ async def measure(sessions: int, mode: DraftMode, passes: int, window: int, alph
     forward = [0.0]
     run = engine._run
 
-    def timed_run(b: int, f: int, host: dict) -> dict:
+    def timed_run(b: int, f: int, kv_len: int, host: dict) -> dict:
         t = time.perf_counter()
-        out = run(b, f, host)
+        out = run(b, f, kv_len, host)
         forward[0] += time.perf_counter() - t
         return out
 

@@ -775,11 +775,15 @@ def test_branches_are_verified_beside_their_drafts_and_change_no_output(tiny) ->
     tok = EdgeTokenizer(tiny.draft_dir)
     log = tiny.target_dir.parent / "branches.log"
     with launch_server(tiny.target_dir, log, "--metrics-port", str(mport)) as (address, _):
+        taken = 0
         for prompt in PROMPTS:
             ids = tok.encode(prompt)
             cfg = EdgeConfig(mode="async", max_new_tokens=30, window=8)
             result = asyncio.run(generate(address, ids, cfg, drafter=MisorderingDrafter(OnnxDrafter(tiny.same_dir)),
                                           fingerprint=tok.fingerprint))
             assert result.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens), prompt
-            assert result.stats.branches_taken > 0
+            taken += result.stats.branches_taken
+        # Over all prompts, not each: a short generation may end before a branch gets verified
+        # when the machine is busy (one of six tokens did, under a parallel test run).
+        assert taken > 0
         assert metric(f"127.0.0.1:{mport}", "specsplit_branches_verified_total") > 0

@@ -7,23 +7,31 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specsplit.server.idle_streams import EVICTED, IdleStreams
+from specsplit.server.idle_streams import Evicted, IdleStreams
 
 
-def _told(outbox: asyncio.Queue) -> bool:
-    return not outbox.empty() and outbox.get_nowait() is EVICTED
+def _told(outbox: asyncio.Queue, opens: int = 1) -> bool:
+    return not outbox.empty() and outbox.get_nowait() == Evicted(opens)
 
 
 def test_the_longest_idle_is_told_first_and_a_stream_that_left_is_not() -> None:
     idle = IdleStreams(2)
     a, b, c, d = (asyncio.Queue(maxsize=4) for _ in range(4))
-    idle.add("a", a)
-    idle.add("b", b)
+    idle.add("a", a, 1)
+    idle.add("b", b, 1)
     idle.discard("a")  # a session opened on it
-    idle.add("c", c)
+    idle.add("c", c, 1)
     assert not any(_told(q) for q in (a, b, c)) and len(idle) == 2
-    idle.add("d", d)
+    idle.add("d", d, 1)
     assert _told(b) and not any(_told(q) for q in (a, c, d)) and len(idle) == 2
+
+
+def test_the_end_names_the_sessions_the_stream_had_opened_when_it_went_idle() -> None:
+    """So that a stream that has opened another session since ignores it (service.py)."""
+    idle = IdleStreams(0)
+    outbox = asyncio.Queue(maxsize=4)
+    idle.add("a", outbox, 3)
+    assert outbox.get_nowait() == Evicted(3)
 
 
 def test_a_stream_with_messages_waiting_is_left_alone() -> None:
@@ -31,7 +39,7 @@ def test_a_stream_with_messages_waiting_is_left_alone() -> None:
     idle = IdleStreams(0)
     busy = asyncio.Queue(maxsize=1)
     busy.put_nowait("Opened")
-    idle.add("busy", busy)
+    idle.add("busy", busy, 1)
     assert busy.get_nowait() == "Opened" and busy.empty() and len(idle) == 0
 
 
@@ -50,7 +58,7 @@ def test_never_more_than_the_limit_and_only_the_longest_idle_told(limit: int, st
             order.remove(n)
         if going_idle:
             order.append(n)
-            idle.add(str(n), outboxes[n])
+            idle.add(str(n), outboxes[n], 1)
             told = order[: max(0, len(order) - limit)]
             del order[: len(told)]
         else:

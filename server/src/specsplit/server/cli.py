@@ -246,9 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--static-max-len", type=int, default=2048,
                    help="static engine: KV positions per session (prompt + output + lookahead must fit)")
     s.add_argument("--kv-buckets", action=argparse.BooleanOptionalAction, default=False,
-                   help="static engine: a pass attends over its rows' positions rounded up to a doubling of 128 "
-                   "(a CUDA graph for each), not every session's whole slot: 1.4 to 2.5x faster passes with "
-                   "2048-position slots and short sessions on an H200, 5 to 23%% with 512; off by default, since "
+                   help="static engine: a pass attends over its rows' positions rounded up to the next of 128, 256, "
+                   "512, ... or the whole slot (a CUDA graph for each), not every session's whole slot: 1.4 to 2.6x "
+                   "faster passes with 2048-position slots and short sessions on an H200, 3 to 27%% with 512; off "
+                   "by default, since "
                    "in a load test of server-only sessions the server then ran more, smaller passes and held "
                    "fewer sessions (docs/capacity.md); graph capture takes as many times longer as there are "
                    "buckets")

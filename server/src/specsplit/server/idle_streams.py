@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from typing import NamedTuple
 
-EVICTED = object()  # put in an idle stream's outbox: end the stream, unless a session has opened on it since
+
+class Evicted(NamedTuple):
+    """Put in an idle stream's outbox: end the stream, if it has opened no session since it
+    went idle (its connection's count of Opens is still `opens`)."""
+
+    opens: int
 
 
 class IdleStreams:
@@ -20,20 +26,20 @@ class IdleStreams:
         if limit < 0:
             raise ValueError(f"the idle stream limit must be 0 or more, got {limit}")
         self.limit = limit
-        self._outboxes: OrderedDict[str, asyncio.Queue] = OrderedDict()
+        self._outboxes: OrderedDict[str, tuple[asyncio.Queue, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._outboxes)
 
-    def add(self, stream_id: str, outbox: asyncio.Queue) -> None:
-        """`stream_id` has just gone idle: tell the longest idle streams past the limit to end
-        (this one too, when the limit is 0)."""
-        self._outboxes[stream_id] = outbox
+    def add(self, stream_id: str, outbox: asyncio.Queue, opens: int) -> None:
+        """`stream_id` has just gone idle, after its `opens`-th session: tell the longest idle
+        streams past the limit to end (this one too, when the limit is 0)."""
+        self._outboxes[stream_id] = (outbox, opens)
         self._outboxes.move_to_end(stream_id)  # idle again without having left: idle since now
         while len(self._outboxes) > self.limit:
-            _, oldest = self._outboxes.popitem(last=False)
+            _, (oldest, at) = self._outboxes.popitem(last=False)
             try:
-                oldest.put_nowait(EVICTED)
+                oldest.put_nowait(Evicted(at))
             except asyncio.QueueFull:  # messages waiting for it: a session has opened on it after all
                 pass
 

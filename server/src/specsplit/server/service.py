@@ -19,7 +19,7 @@ from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits,
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
-from specsplit.server.idle_streams import EVICTED, IdleStreams
+from specsplit.server.idle_streams import Evicted, IdleStreams
 from specsplit.server.listeners import bind_listeners, check_listeners
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
@@ -49,7 +49,8 @@ class ServeConfig:
     keepalive_s: float = 20.0
     keepalive_timeout_s: float = 10.0
     # After a session's Done, how long the stream stays open for the device's next Open (its next
-    # generation, without a new call) or its half-close. Ending it sooner while the edge still
+    # generation, without a new call) or its half-close; and how long a new stream may take to
+    # send its first Open. Ending it sooner while the edge still
     # writes its last drafts would fail those writes and, with them, the call at the edge: a busy
     # edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
     idle_stream_s: float = 30.0
@@ -153,18 +154,20 @@ class SpecSplitService:
                     try:
                         item = await asyncio.wait_for(outbox.get(), self.cfg.idle_stream_s)
                     except asyncio.TimeoutError:
+                        if not outbox.empty():
+                            continue  # an Open was read as the wait ran out
                         if conn.session is not None:
                             self.metrics.idle_streams_ended.labels("timeout").inc()
                             return
                         item = errors.OpenTimeout(f"no Open message within {self.cfg.idle_stream_s:g} s")
-                    if item is EVICTED and conn.idle:
+                    if isinstance(item, Evicted) and item.opens == conn.opens:
                         self.metrics.idle_streams_ended.labels("limit").inc()
                         return
                     self.idle.discard(conn.stream_id)
                 else:
                     item = await outbox.get()
-                if item is EVICTED:
-                    continue  # a session opened on the stream before it was told to end
+                if isinstance(item, Evicted):
+                    continue  # told to end before its latest Open: that idle spell is over
                 if item is HALF_CLOSED:
                     if session is None:
                         return
@@ -195,15 +198,17 @@ class SpecSplitService:
                     session = None
                     if half_closed:
                         return
-                    self.idle.add(conn.stream_id, outbox)
+                    self.idle.add(conn.stream_id, outbox, conn.opens)
         finally:
             reader.cancel()
             self.idle.discard(conn.stream_id)
-            if session is not None:
-                self.worker.remove(session)
-                self._ended(reason)
             if conn.session is not None:
+                # Its Opened may not have gone out (an Open read as the stream ended): the
+                # worker holds it all the same.
+                self.worker.remove(conn.session.session_id)
                 conn.session.cancel()
+            if session is not None:
+                self._ended(reason)
 
     def _ended(self, reason: str) -> None:
         self.metrics.sessions_active.dec()

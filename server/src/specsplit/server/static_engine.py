@@ -40,7 +40,7 @@ SESSION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 
 TOKEN_BUCKETS = (1, 2, 4, 8, 12, 16, 32)
 # With bucket_kv, attention reads each row's slot up to the pass's KV bucket, not the whole
 # slot: gathering all `max_len` positions of every row and attending over them cost 1.4 to
-# 2.5 times the pass at 2048 positions and short sessions (docs/capacity.md).
+# 2.6 times the pass at 2048 positions and short sessions (docs/capacity.md).
 SMALLEST_KV_BUCKET = 128
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,93 @@
+"""The stream handler where its reader and its own waits cross: a session the reader opened
+is served or forgotten, never left in the worker (where it would hold a KV slot and count
+against --max-sessions for good)."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from specsplit.protocol.messages import ServerLimits
+from specsplit.server import service
+from specsplit.server.metrics import ServerMetrics
+from specsplit.v1 import specsplit_pb2 as pb
+
+OPEN = pb.EdgeMessage(open=pb.Open(prompt_ids=[1, 2], max_new_tokens=4)).SerializeToString()
+
+
+class Worker:
+    """What the handler asks of the verification worker; it never verifies."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(outbox_size=64)
+        self.engine = SimpleNamespace(new_state=lambda: None)
+        self.sessions: dict = {}
+
+    def held(self) -> int:
+        return len(self.sessions)
+
+    def add(self, handle) -> None:  # type: ignore[no-untyped-def]
+        self.sessions[handle.session.session_id] = handle
+
+    def remove(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    def notify(self) -> None:
+        pass
+
+
+def _service(worker: Worker) -> service.SpecSplitService:
+    return service.SpecSplitService(worker, ServerLimits(vocab_size=100, max_context=100),  # type: ignore[arg-type]
+                                    service.ServeConfig(idle_stream_s=0.1), ServerMetrics())
+
+
+def test_an_open_read_as_the_wait_for_it_runs_out_is_served(monkeypatch) -> None:
+    """wait_for gives up, and before the handler sees it the reader takes the Open (the
+    window between a timeout and its cancelled get): the session is served, not dropped."""
+    arrived = asyncio.Event()
+    real_wait_for = asyncio.wait_for
+
+    async def wait_for_then_open(fut, timeout):  # type: ignore[no-untyped-def]
+        try:
+            return await real_wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            arrived.set()
+            for _ in range(5):
+                await asyncio.sleep(0)  # the reader runs
+            raise
+
+    async def requests():  # type: ignore[no-untyped-def]
+        await arrived.wait()
+        yield OPEN
+        await asyncio.sleep(60)
+
+    async def main() -> tuple[str, int]:
+        worker = Worker()
+        stream = _service(worker).Generate(requests(), None)
+        first = await stream.__anext__()
+        await stream.aclose()  # the edge goes away
+        return pb.ServerMessage.FromString(first.SerializeToString()).WhichOneof("kind"), len(worker.sessions)
+
+    monkeypatch.setattr(service.asyncio, "wait_for", wait_for_then_open)
+    assert asyncio.run(main()) == ("opened", 0)
+
+
+def test_a_session_opened_as_its_stream_goes_is_forgotten() -> None:
+    """The edge goes away just after sending its next Open: the reader has opened the session,
+    whose Opened the handler never sent. The worker forgets it with the stream."""
+    finished = pb.EdgeMessage(open=pb.Open(prompt_ids=[1, 2], committed_ids=[3, 4], max_new_tokens=2))
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield finished.SerializeToString()  # done as it opens: Opened and Done at once
+        yield OPEN
+        await asyncio.sleep(60)
+
+    async def main() -> tuple[list[str], int]:
+        worker = Worker()
+        stream = _service(worker).Generate(requests(), None)
+        kinds = [(await stream.__anext__()).WhichOneof("kind") for _ in range(2)]
+        while not worker.sessions:  # the second Open is read, its session opened
+            await asyncio.sleep(0)
+        await stream.aclose()
+        return kinds, len(worker.sessions)
+
+    assert asyncio.run(main()) == (["opened", "done"], 0)
