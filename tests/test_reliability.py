@@ -159,12 +159,25 @@ def test_vanished_edge_frees_its_session_and_kv(tiny, limited) -> None:
     assert metric(metrics, "specsplit_sessions_total") >= 1
 
 
-def test_session_limit_is_resource_exhausted(tiny, limited) -> None:
+def test_session_limit_is_resource_exhausted_and_a_device_moves_on(tiny, limited, server) -> None:
+    """A full server refuses with RESOURCE_EXHAUSTED and gRPC's server pushback (retry after
+    1 s); a device given another server opens its generation there after that second."""
     address, metrics, _ = limited
     held = [HeldSession(address), HeldSession(address)]
     try:
         code, _ = raw_stream(address, [open_msg(PROMPT)])
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with grpc.insecure_channel(address) as ch:
+            call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(call(iter([open_msg(PROMPT)]), timeout=20))
+        assert ("grpc-retry-pushback-ms", "1000") in tuple(refused.value.trailing_metadata())
+        tok = EdgeTokenizer(tiny.draft_dir)
+        ids, cfg = tok.encode("def add(a, b):"), EdgeConfig(mode="none", max_new_tokens=8)
+        t0 = time.monotonic()
+        result = run_edge([address, server], tiny, ids, cfg, ConnectOptions(retries=2, backoff_s=0.1))
+        assert result.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens)
+        assert result.stats.reconnects == 1 and time.monotonic() - t0 >= 1.0
     finally:
         for h in held:
             h.close()

@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server with: connect over TLS")
     g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
     g.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
-    g.add_argument("--retries", type=int, default=5, help="re-opens after a lost server or stream (resumes)")
+    g.add_argument("--retries", type=int, default=5, help="re-opens after a lost server or stream, or a full one that says when to "
+                   "try again (resumes, on the next --server if there are several)")
     g.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without a message from the server before the stream counts as lost")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")

@@ -25,7 +25,7 @@ from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.stats import GenerationStats
 from specsplit.edge.stream import GenerateStream
-from specsplit.protocol import codec
+from specsplit.protocol import codec, errors
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import (
     Done,
@@ -39,7 +39,8 @@ from specsplit.protocol.messages import (
 
 MODES = {"async": DraftMode.ASYNC, "sync": DraftMode.SYNC, "none": DraftMode.NONE}
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
-# Statuses after which the same generation is re-opened (here or on the next server).
+# Statuses after which the same generation is re-opened (here or on the next server); any
+# other status, only when the server says when to try again (a full server: retry_delay).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -460,16 +461,31 @@ async def generate(
             result.stats.reconnects = attempt
             return result
         except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
-            retryable = not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in RETRYABLE
-            if not retryable or attempt == connect.retries:
+            delay = retry_delay(exc, backoff)
+            if delay is None or attempt == connect.retries:
                 raise
             if gen.edge is not None:
                 committed = gen.edge.generated  # includes what earlier attempts committed
             if stream is not None:
                 stream.fail_over()
-            await asyncio.sleep(backoff)
+            await asyncio.sleep(delay)
             backoff = min(backoff * 2, 8.0)
     raise AssertionError("the retry loop returns or raises")
+
+
+def retry_delay(exc: Exception, backoff: float) -> float | None:
+    """How long to wait before re-opening after `exc`, or None if that would not help: a lost
+    stream or server waits the backoff; a refusal that carries the server's pushback (a full
+    server) waits at least that long."""
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in RETRYABLE:
+        return backoff
+    pushback = (exc.trailing_metadata() or grpc.aio.Metadata()).get(errors.PUSHBACK_METADATA)
+    if pushback is None:
+        return None
+    try:
+        return max(backoff, int(pushback) / 1000)
+    except ValueError:  # gRPC: a pushback that does not parse means "do not retry"
+        return None
 
 
 async def _on_own_call(gen: _Generation, channel: grpc.aio.Channel) -> GenerationResult:

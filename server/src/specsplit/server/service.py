@@ -178,7 +178,9 @@ class SpecSplitService:
                     self.metrics.errors.labels(item.status).inc()
                     log.info("session %s: %s: %s", session or conn.stream_id, item.status, item.message,
                              extra={"session": session or conn.stream_id})
-                    await context.abort(grpc.StatusCode[item.status], item.message)
+                    pushback = () if item.retry_after_s is None else \
+                        ((errors.PUSHBACK_METADATA, str(round(item.retry_after_s * 1000))),)
+                    await context.abort(grpc.StatusCode[item.status], item.message, pushback)
                 if isinstance(item, Exception):
                     reason = "error"
                     self.metrics.errors.labels("INTERNAL").inc()

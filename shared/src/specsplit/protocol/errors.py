@@ -1,11 +1,18 @@
 """Typed protocol violations. Each names the gRPC status a transport should answer with."""
 from __future__ import annotations
 
+# gRPC's server pushback: trailing metadata that tells a client to retry after this many ms.
+PUSHBACK_METADATA = "grpc-retry-pushback-ms"
+
 
 class ProtocolError(Exception):
     """A peer broke the protocol; `status` is a grpc.StatusCode name."""
 
     status: str = "INVALID_ARGUMENT"
+    # Where the same request may succeed later: how long to wait first. A transport sends it as
+    # PUSHBACK_METADATA, which tells the peer that this RESOURCE_EXHAUSTED is worth retrying,
+    # unlike one for an oversized message.
+    retry_after_s: float | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -61,9 +68,11 @@ class VerdictOutOfOrder(ProtocolError):
 
 
 class ServerBusy(ProtocolError):
-    """Admission control: the server holds as many sessions as it allows."""
+    """Admission control: the server holds as many sessions as it allows. Sessions end within
+    seconds, so an edge may try again after a second, on another server if it has one."""
 
     status = "RESOURCE_EXHAUSTED"
+    retry_after_s = 1.0
 
 
 class ServerDraining(ProtocolError):
