@@ -15,50 +15,61 @@ def _told(outbox: asyncio.Queue, opens: int = 1) -> bool:
 
 
 def test_the_longest_idle_is_told_first_and_a_stream_that_left_is_not() -> None:
-    idle = IdleStreams(2)
+    idle = IdleStreams(2, grace_s=0.0)
     a, b, c, d = (asyncio.Queue(maxsize=4) for _ in range(4))
-    idle.add("a", a, 1)
-    idle.add("b", b, 1)
+    idle.add("a", a, 1, 0.0)
+    idle.add("b", b, 1, 1.0)
     idle.discard("a")  # a session opened on it
-    idle.add("c", c, 1)
+    idle.add("c", c, 1, 2.0)
     assert not any(_told(q) for q in (a, b, c)) and len(idle) == 2
-    idle.add("d", d, 1)
+    idle.add("d", d, 1, 3.0)
     assert _told(b) and not any(_told(q) for q in (a, c, d)) and len(idle) == 2
+
+
+def test_a_stream_is_told_only_once_it_has_idled_for_the_grace() -> None:
+    """Just after its Done an edge may still be writing drafts: ended then, its call would fail."""
+    idle = IdleStreams(1, grace_s=5.0)
+    a, b, c = (asyncio.Queue(maxsize=4) for _ in range(3))
+    idle.add("a", a, 1, 0.0)
+    idle.add("b", b, 1, 4.0)  # a has idled 4 s: over the limit for now
+    assert not _told(a) and len(idle) == 2
+    idle.add("c", c, 1, 5.5)  # a has idled 5.5 s, b 1.5 s
+    assert _told(a) and not _told(b) and len(idle) == 2
 
 
 def test_the_end_names_the_sessions_the_stream_had_opened_when_it_went_idle() -> None:
     """So that a stream that has opened another session since ignores it (service.py)."""
-    idle = IdleStreams(0)
+    idle = IdleStreams(0, grace_s=0.0)
     outbox = asyncio.Queue(maxsize=4)
-    idle.add("a", outbox, 3)
+    idle.add("a", outbox, 3, 0.0)
     assert outbox.get_nowait() == Evicted(3)
 
 
 def test_a_stream_with_messages_waiting_is_left_alone() -> None:
     """Its outbox full means a session opened on it after all: nothing to end."""
-    idle = IdleStreams(0)
+    idle = IdleStreams(0, grace_s=0.0)
     busy = asyncio.Queue(maxsize=1)
     busy.put_nowait("Opened")
-    idle.add("busy", busy, 1)
+    idle.add("busy", busy, 1, 0.0)
     assert busy.get_nowait() == "Opened" and busy.empty() and len(idle) == 0
 
 
 def test_a_negative_limit_is_refused() -> None:
     with pytest.raises(ValueError, match="0 or more"):
-        IdleStreams(-1)
+        IdleStreams(-1, grace_s=0.0)
 
 
 @given(st.integers(0, 4), st.lists(st.tuples(st.booleans(), st.integers(0, 7)), max_size=40))
 def test_never_more_than_the_limit_and_only_the_longest_idle_told(limit: int, steps: list) -> None:
-    idle = IdleStreams(limit)
+    idle = IdleStreams(limit, grace_s=0.0)
     outboxes = {n: asyncio.Queue(maxsize=8) for n in range(8)}
     order: list[int] = []  # the model: idle streams, longest idle first
-    for going_idle, n in steps:
+    for t, (going_idle, n) in enumerate(steps):
         if n in order:
             order.remove(n)
         if going_idle:
             order.append(n)
-            idle.add(str(n), outboxes[n], 1)
+            idle.add(str(n), outboxes[n], 1, float(t))
             told = order[: max(0, len(order) - limit)]
             del order[: len(told)]
         else:

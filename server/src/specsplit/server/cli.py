@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "stream may take to send its Open (else DEADLINE_EXCEEDED)")
     s.add_argument("--max-idle-streams", type=int, default=1024,
                    help="streams kept open between sessions at once; past it the longest idle one is ended as the "
-                   "timeout would end it (its device starts a new call for its next generation; 0: none kept)")
+                   "timeout would end it, once it has idled for 5 s or half the timeout (its device starts a new "
+                   "call for its next generation)")
     s.add_argument("--listeners", type=int, default=4,
                    help="gRPC servers sharing the port (SO_REUSEPORT, Linux), each taking new calls on its own: "
                    "one takes them one at a time, which under hundreds of devices keeps calls waiting; 1 where "

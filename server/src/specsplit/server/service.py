@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from specsplit.v1 import specsplit_pb2 as pb
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecSplit"].full_name
 HALF_CLOSED = object()  # put in a stream's outbox once the edge sends nothing more
+EVICT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,9 @@ class SpecSplitService:
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
-        self.idle = IdleStreams(cfg.max_idle_streams)
+        # A stream is ended for the limit only once it has idled for a while (idle_streams.py):
+        # 5 s, or half the timeout where that is shorter.
+        self.idle = IdleStreams(cfg.max_idle_streams, min(EVICT_GRACE_S, cfg.idle_stream_s / 2))
         metrics.streams_idle.set_function(lambda: len(self.idle))
 
     async def _read(
@@ -200,7 +204,7 @@ class SpecSplitService:
                     session = None
                     if half_closed:
                         return
-                    self.idle.add(conn.stream_id, outbox, conn.opens)
+                    self.idle.add(conn.stream_id, outbox, conn.opens, time.monotonic())
         finally:
             reader.cancel()
             self.idle.discard(conn.stream_id)
