@@ -378,6 +378,8 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
     [
         (["--target", "/no/such/model"], "/no/such/model does not exist"),
         (["--target", "/no/such/model", "--engine", "static", "--max-verify-tokens", "40"], "at most 31 drafts"),
+        # --engine auto on a CPU is the dynamic engine, which takes any number of drafts.
+        (["--target", "/no/such/model", "--max-verify-tokens", "40"], "/no/such/model does not exist"),
         (["--target", "/no/such/model", "--gil-switch-ms", "0"], "--gil-switch-ms must be above 0"),
         (["--target", "/no/such/model", "--fuse"], "it needs --engine static"),
         (["--target", "/no/such/model", "--kv-buckets"], "it needs --engine static"),

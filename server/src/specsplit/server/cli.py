@@ -43,10 +43,13 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine
 
+    if args.engine == "auto":  # CUDA graphs need the static engine; on a CPU only the dynamic one is exact
+        args.engine = "static" if args.device == "cuda" else "dynamic"
     if args.engine == "static" and (args.max_verify_tokens >= TOKEN_BUCKETS[-1]
                                     or args.max_batch_sessions > SESSION_BUCKETS[-1]):
         print(f"error: the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
-              f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions)",
+              f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions); "
+              "--engine dynamic takes more",
               file=sys.stderr)
         return 2
     if args.kv_buckets and args.engine != "static":
@@ -73,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.loading import MissingWeights, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
-    log.info("loading target %s (%s on %s)", args.target, dtype, args.device)
+    log.info("loading target %s (%s on %s, %s engine)", args.target, dtype, args.device, args.engine)
     try:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
     except (OSError, MissingWeights) as exc:  # no such path, a hub id that cannot be fetched, a partial checkpoint
@@ -230,9 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     s.add_argument(
         "--engine",
-        choices=["dynamic", "static"],
-        default="dynamic",
-        help="dynamic (default): a growing KV cache per session, sessions padded into each pass; static: one "
+        choices=["auto", "dynamic", "static"],
+        default="auto",
+        help="auto (default): static on a GPU, dynamic on a CPU. dynamic: a growing KV cache per session, "
+        "sessions padded into each pass (on a CPU in bf16 exact, see --dtype); static: one "
         "preallocated KV cache with a slot per session (--max-sessions x --static-max-len positions, allocated at "
         "start) and, on a GPU, CUDA graphs, one per batch shape that --max-batch-sessions and "
         "--max-batch-tokens allow, all captured before serving starts; they remove the eager forward's "
