@@ -17,6 +17,9 @@ from collections import OrderedDict
 from typing import NamedTuple
 
 
+GRACE_S = 5.0  # how long a stream idles before the limit may end it (above)
+
+
 class Evicted(NamedTuple):
     """Put in an idle stream's outbox: end the stream, if it has opened no session since it
     went idle (its connection's count of Opens is still `opens`)."""

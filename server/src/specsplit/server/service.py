@@ -20,7 +20,7 @@ from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits,
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
-from specsplit.server.idle_streams import Evicted, IdleStreams
+from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams
 from specsplit.server.listeners import bind_listeners, check_listeners
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
@@ -30,7 +30,6 @@ from specsplit.v1 import specsplit_pb2 as pb
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecSplit"].full_name
 HALF_CLOSED = object()  # put in a stream's outbox once the edge sends nothing more
-EVICT_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,8 +66,6 @@ class ServeConfig:
         check_listeners(self.listeners)  # before the model loads, not when the port is bound
         if not self.idle_stream_s > 0:
             raise ValueError(f"the idle stream timeout must be above 0 s, got {self.idle_stream_s}")
-        if self.max_idle_streams < 0:
-            raise ValueError(f"the idle stream limit must be 0 or more, got {self.max_idle_streams}")
 
 
 def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
@@ -94,9 +91,8 @@ class SpecSplitService:
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
-        # A stream is ended for the limit only once it has idled for a while (idle_streams.py):
-        # 5 s, or half the timeout where that is shorter.
-        self.idle = IdleStreams(cfg.max_idle_streams, min(EVICT_GRACE_S, cfg.idle_stream_s / 2))
+        # Half the timeout where that is shorter than the grace: the timeout ends streams anyway.
+        self.idle = IdleStreams(cfg.max_idle_streams, min(GRACE_S, cfg.idle_stream_s / 2))
         metrics.streams_idle.set_function(lambda: len(self.idle))
 
     async def _read(
