@@ -33,7 +33,7 @@ from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
 from specsplit.server.loading import cpu_has_fast_bf16, load_model, resolve_dtype
 from specsplit.server.scheduler import PassFill, SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.server.static_engine import (SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, kv_buckets,
-                                            pass_shapes)
+                                            kv_buckets_by_default, pass_shapes)
 from conftest import free_port, launch_server
 from test_end_to_end import PROMPTS, reference
 from test_reliability import metric
@@ -721,13 +721,23 @@ def test_a_pass_picked_ahead_starts_as_the_running_one_ends_while_the_loop_is_bu
 def batching_server(request, tiny, tmp_path_factory):
     mport = free_port()
     log = tmp_path_factory.mktemp("batching") / "server.log"
+    # Slots of more than 512 positions: the static engine's KV buckets are on by default.
     with launch_server(tiny.target_dir, log, "--metrics-port", str(mport), "--max-batch-sessions", "8",
-                       "--engine", request.param, "--static-max-len", "256") as (address, _):
-        yield address, f"127.0.0.1:{mport}"
+                       "--engine", request.param, "--static-max-len", "600") as (address, _):
+        yield address, f"127.0.0.1:{mport}", request.param, log
+
+
+def test_the_static_engine_buckets_its_kv_by_default_for_long_slots(batching_server) -> None:
+    *_, engine, log = batching_server
+    if engine == "static":
+        assert "passes attend over KV buckets of 128, 256, 512, 600 positions" in log.read_text()
+    else:  # the dynamic engine's caches grow with their sessions: nothing to bucket
+        assert "KV buckets" not in log.read_text()
+    assert not kv_buckets_by_default(512) and kv_buckets_by_default(513)
 
 
 def test_concurrent_sessions_are_batched_and_each_equals_the_target(tiny, batching_server) -> None:
-    address, metrics = batching_server
+    address, metrics, *_ = batching_server
     tok = EdgeTokenizer(tiny.draft_dir)
     jobs = []
     for i in range(12):

@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
-    from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine
+    from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, kv_buckets_by_default
 
     if args.engine == "auto":  # CUDA graphs need the static engine; on a CPU only the dynamic one is exact
         args.engine = "static" if args.device == "cuda" else "dynamic"
@@ -55,6 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.kv_buckets and args.engine != "static":
         print("error: --kv-buckets sizes the static engine's passes; it needs --engine static", file=sys.stderr)
         return 2
+    if args.kv_buckets is None:
+        args.kv_buckets = args.engine == "static" and kv_buckets_by_default(args.static_max_len)
     if args.fuse and args.engine != "static":
         print("error: --fuse compiles the static engine's modules; it needs --engine static", file=sys.stderr)
         return 2
@@ -92,8 +94,10 @@ def _serve(args: argparse.Namespace) -> int:
                               bucket_kv=args.kv_buckets)
         if engine.fused:
             log.info("compiled %d norm and MLP modules (torch.compile) in %.1f s", engine.fused, time.monotonic() - t0)
-        log.info("static KV cache: %d slots x %d positions, %.1f GB", args.max_sessions,
-                 args.static_max_len, engine.cache.bytes_per_slot * (args.max_sessions + 1) / 1e9)
+        log.info("static KV cache: %d slots x %d positions, %.1f GB; passes attend over %s", args.max_sessions,
+                 args.static_max_len, engine.cache.bytes_per_slot * (args.max_sessions + 1) / 1e9,
+                 f"KV buckets of {', '.join(map(str, engine.kv_buckets))} positions" if args.kv_buckets
+                 else "whole slots")
         if engine.graphs:
             log.info("capturing CUDA graphs for every pass shape up to %d sessions and %d tokens ...",
                      args.max_batch_sessions, args.max_batch_tokens)
@@ -249,14 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "and runs them as they are)")
     s.add_argument("--static-max-len", type=int, default=2048,
                    help="static engine: KV positions per session (prompt + output + lookahead must fit)")
-    s.add_argument("--kv-buckets", action=argparse.BooleanOptionalAction, default=False,
+    s.add_argument("--kv-buckets", action=argparse.BooleanOptionalAction, default=None,
                    help="static engine: a pass attends over its rows' positions rounded up to the next of 128, 256, "
-                   "512, ... or the whole slot (a CUDA graph for each), not every session's whole slot: 1.4 to 2.6x "
-                   "faster passes with 2048-position slots and short sessions on an H200, 3 to 27%% with 512; off "
-                   "by default, since "
-                   "in a load test of server-only sessions the server then ran more, smaller passes and held "
-                   "fewer sessions (docs/capacity.md); graph capture takes as many times longer as there are "
-                   "buckets")
+                   "512, ... or the whole slot (a CUDA graph for each), not every session's whole slot (default: on "
+                   "for slots of more than 512 positions, so with the default --static-max-len). 7B shape on an "
+                   "H200: passes of short sessions 1.4 to 2.6x faster with 2048-position slots, and in a load test "
+                   "there the server committed 40%% more tokens/s for server-only sessions; with 512 passes 3 to 27%% "
+                   "faster, but the load test's server-only sessions fared better or worse by machine "
+                   "(docs/capacity.md). Graph capture takes as many times longer as there are buckets")
     s.add_argument(
         "--load-format",
         choices=["auto", "dummy", "dummy-echo"],

@@ -42,12 +42,22 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 12, 16, 32)
 # slot: gathering all `max_len` positions of every row and attending over them cost 1.4 to
 # 2.6 times the pass at 2048 positions and short sessions (docs/capacity.md).
 SMALLEST_KV_BUCKET = 128
+# Buckets are the default only for slots longer than this. At 2048 positions a load test's
+# server committed 40% more tokens/s with them (server-only sessions) and split sessions
+# met the SLO where they missed it without; at 512 the same load test went either way from
+# one machine to another, and every bucket is another set of graphs to capture.
+KV_BUCKETS_BY_DEFAULT_ABOVE = 512
 
 log = logging.getLogger(__name__)
 
 
 def bucket(n: int, sizes: Sequence[int]) -> int:
     return next(s for s in sizes if s >= n)
+
+
+def kv_buckets_by_default(max_len: int) -> bool:
+    """Whether a static engine of `max_len`-position slots buckets its KV unless told."""
+    return max_len > KV_BUCKETS_BY_DEFAULT_ABOVE
 
 
 def kv_buckets(max_len: int) -> tuple[int, ...]:
