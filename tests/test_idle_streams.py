@@ -30,11 +30,23 @@ def test_a_stream_is_told_only_once_it_has_idled_for_the_grace() -> None:
     """Just after its Done an edge may still be writing drafts: ended then, its call would fail."""
     idle = IdleStreams(1, grace_s=5.0)
     a, b, c = (asyncio.Queue(maxsize=4) for _ in range(3))
-    idle.add("a", a, 1, 0.0)
-    idle.add("b", b, 1, 4.0)  # a has idled 4 s: over the limit for now
+    assert idle.add("a", a, 1, 0.0) is None
+    # a has idled 4 s: over the limit for now, and a trim is due once its grace runs out
+    assert idle.add("b", b, 1, 4.0) == pytest.approx(1.0)
     assert not _told(a) and len(idle) == 2
-    idle.add("c", c, 1, 5.5)  # a has idled 5.5 s, b 1.5 s
+    assert idle.add("c", c, 1, 5.5) == pytest.approx(3.5)  # a has idled 5.5 s, b 1.5 s
     assert _told(a) and not _told(b) and len(idle) == 2
+
+
+def test_a_trim_once_the_grace_has_run_out_ends_what_no_later_stream_going_idle_would() -> None:
+    """Two devices going idle together past the limit: without a trim at the grace's end
+    the one too many would stay until its timeout."""
+    idle = IdleStreams(1, grace_s=5.0)
+    a, b = (asyncio.Queue(maxsize=4) for _ in range(2))
+    idle.add("a", a, 1, 0.0)
+    assert idle.add("b", b, 1, 0.5) == pytest.approx(4.5)
+    assert idle.trim(4.9) == pytest.approx(0.1) and not _told(a)  # early: it says when again
+    assert idle.trim(5.0) is None and _told(a) and not _told(b) and len(idle) == 1
 
 
 def test_the_end_names_the_sessions_the_stream_had_opened_when_it_went_idle() -> None:

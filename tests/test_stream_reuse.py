@@ -172,6 +172,34 @@ def test_past_the_idle_limit_the_longest_idle_stream_ends_and_its_device_carries
         assert metric(metrics, 'specsplit_idle_streams_ended_total{reason="timeout"}') == 0
 
 
+def test_devices_going_idle_together_past_the_limit_are_trimmed_once_the_grace_runs_out(tiny, tmp_path) -> None:
+    """Two devices' streams go idle within the grace of each other, with room for one, and
+    nothing goes idle after them: the older is ended for the limit once it has idled for the
+    grace (3 s), not left to its timeout (6 s)."""
+    tokenizer = EdgeTokenizer(tiny.draft_dir)
+    mport = free_port()
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--metrics-port", str(mport),
+                       "--max-idle-streams", "1", "--idle-stream-timeout", "6") as (address, _):
+        metrics = f"127.0.0.1:{mport}"
+
+        async def main() -> list[bool]:
+            async with grpc.aio.insecure_channel(address) as channel:
+                streams = [GenerateStream.on(channel), GenerateStream.on(channel)]
+                await asyncio.gather(*(
+                    generate(address, tokenizer.encode(prompt), CONFIGS[1], fingerprint=tokenizer.fingerprint,
+                             stream=stream) for stream, prompt in zip(streams, PROMPTS)))
+                seen = [wait_for(lambda: metric(metrics, "specsplit_streams_idle") == 2)]
+                seen.append(wait_for(
+                    lambda: metric(metrics, 'specsplit_idle_streams_ended_total{reason="limit"}') == 1, timeout=20))
+                seen.append(metric(metrics, 'specsplit_idle_streams_ended_total{reason="timeout"}') == 0)
+                seen.append(metric(metrics, "specsplit_streams_idle") == 1)
+                for stream in streams:
+                    stream.close()
+                return seen
+
+        assert asyncio.run(main()) == [True, True, True, True]
+
+
 def test_a_call_that_sends_no_open_ends_with_deadline_exceeded(tiny, tmp_path) -> None:
     """A call that holds a stream and never opens a session is not kept for ever."""
     with launch_server(tiny.target_dir, tmp_path / "s.log", "--idle-stream-timeout", "0.3") as (address, _):

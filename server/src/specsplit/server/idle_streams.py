@@ -8,7 +8,8 @@ its next generation (edge/stream.py), so the limit costs it a call, never a gene
 Only a stream idle for at least `grace_s` is ended: just after its Done the edge may still be
 writing drafts, and a call that ends under its writes fails at the edge with INTERNAL before
 the Done is read (ended at once, 76 of 240 generations of eight busy edges did). So the limit
-may be passed for as long as that: it bounds the streams that idle on, not a burst.
+may be passed for as long as that (the server trims again once the grace has run out): it
+bounds the streams that idle on, not a burst.
 """
 from __future__ import annotations
 
@@ -41,20 +42,26 @@ class IdleStreams:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def add(self, stream_id: str, outbox: asyncio.Queue, opens: int, now: float) -> None:
-        """`stream_id` has just gone idle, after its `opens`-th session: tell the longest idle
-        streams past the limit to end, those idle for grace_s at least."""
+    def add(self, stream_id: str, outbox: asyncio.Queue, opens: int, now: float) -> float | None:
+        """`stream_id` has just gone idle, after its `opens`-th session. Trims (below)."""
         self._streams[stream_id] = (outbox, opens, now)
         self._streams.move_to_end(stream_id)  # idle again without having left: idle since now
+        return self.trim(now)
+
+    def trim(self, now: float) -> float | None:
+        """Tell the longest idle streams past the limit to end, those idle for grace_s at
+        least. Returns in how many seconds to trim again, where the limit is still passed by
+        streams within the grace: else they would stay until some other stream goes idle."""
         while len(self._streams) > self.limit:
             oldest_id, (oldest, at, since) = next(iter(self._streams.items()))
             if now - since < self.grace_s:
-                return  # nobody has idled long enough: the rest went idle later
+                return since + self.grace_s - now  # the rest went idle later
             del self._streams[oldest_id]
             try:
                 oldest.put_nowait(Evicted(at))
             except asyncio.QueueFull:  # messages waiting for it: a session has opened on it after all
                 pass
+        return None
 
     def discard(self, stream_id: str) -> None:
         self._streams.pop(stream_id, None)

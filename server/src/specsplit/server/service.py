@@ -94,6 +94,19 @@ class SpecSplitService:
         # Half the timeout where that is shorter than the grace: the timeout ends streams anyway.
         self.idle = IdleStreams(cfg.max_idle_streams, min(GRACE_S, cfg.idle_stream_s / 2))
         metrics.streams_idle.set_function(lambda: len(self.idle))
+        self._trim_timer: asyncio.TimerHandle | None = None
+
+    def _trim_idle_in(self, delay: float | None) -> None:
+        """Trim the idle streams again after `delay` s (None: no need). One timer at a time: a
+        stream going idle later can only need a later trim than the one pending."""
+        if delay is None or self._trim_timer is not None:
+            return
+
+        def trim() -> None:
+            self._trim_timer = None
+            self._trim_idle_in(self.idle.trim(time.monotonic()))
+
+        self._trim_timer = asyncio.get_running_loop().call_later(delay, trim)
 
     async def _read(
         self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue, stream_task: asyncio.Task
@@ -200,7 +213,7 @@ class SpecSplitService:
                     session = None
                     if half_closed:
                         return
-                    self.idle.add(conn.stream_id, outbox, conn.opens, time.monotonic())
+                    self._trim_idle_in(self.idle.add(conn.stream_id, outbox, conn.opens, time.monotonic()))
         finally:
             reader.cancel()
             self.idle.discard(conn.stream_id)
