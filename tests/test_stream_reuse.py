@@ -6,9 +6,10 @@ import asyncio
 import time
 
 import grpc
+import pytest
 
 from conftest import free_port, launch_server
-from specsplit.edge.client import EdgeConfig, generate
+from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
@@ -80,9 +81,11 @@ def test_an_idle_stream_ends_with_an_ok_status(tiny, tmp_path) -> None:
 class _Call:
     """A scripted call: its messages, then the end of the stream or an error."""
 
-    def __init__(self, script: list, error: grpc.StatusCode | None) -> None:
+    def __init__(self, script: list, error: grpc.StatusCode | None,
+                 trailers: grpc.aio.Metadata = grpc.aio.Metadata()) -> None:  # noqa: B008 (never changed)
         self.script = [codec.server_to_pb(m) for m in script]
         self.error = error
+        self.trailers = trailers
         self.cancelled = False
 
     def done(self) -> bool:
@@ -95,7 +98,7 @@ class _Call:
         if self.script:
             return self.script.pop(0)
         if self.error is not None:
-            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), self.trailers, "gone")
         await asyncio.sleep(3600)
 
 
@@ -128,6 +131,27 @@ def test_a_kept_call_that_failed_while_idle_is_replaced() -> None:
     assert (first.opened.session_id, second.opened.session_id) == ("a", "b")
     assert second.tokens == [9, 9] and second.stats.reconnects == 0
     assert stub.started == 2 and dead.cancelled
+
+
+@pytest.mark.parametrize("refusal", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_a_kept_call_refused_by_its_server_moves_to_the_next_without_asking_it_again(refusal) -> None:
+    """A draining (UNAVAILABLE) or full (RESOURCE_EXHAUSTED, with its pushback) server
+    answers the Open on a kept call: a new call to it would be refused alike, so the
+    generation goes to the stream's next server, and the first is called only once."""
+    pushback = grpc.aio.Metadata(("grpc-retry-pushback-ms", "0"))
+    refused = _Call(_generation("a"), refusal, trailers=pushback)
+    first, second = _Stub([refused]), _Stub([_Call(_generation("b"), None)])
+    cfg = EdgeConfig(mode="none", max_new_tokens=2)
+
+    async def main() -> list:
+        stream = GenerateStream(first, second)  # type: ignore[arg-type]
+        return [await generate("unused", [1, 2, 3], cfg, stream=stream,
+                               connect=ConnectOptions(backoff_s=0.01)) for _ in range(2)]
+
+    one, two = asyncio.run(main())
+    assert (one.opened.session_id, two.opened.session_id) == ("a", "b")
+    assert two.tokens == [9, 9] and two.stats.reconnects == 1
+    assert (first.started, second.started) == (1, 1) and refused.cancelled
 
 
 def test_past_the_idle_limit_the_longest_idle_stream_ends_and_its_device_carries_on(tiny, tmp_path) -> None:

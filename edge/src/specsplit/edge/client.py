@@ -42,6 +42,9 @@ GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
 # Statuses after which the same generation is re-opened (here or on the next server); any
 # other status, only when the server says when to try again (a full server: retry_delay).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What a server answers an Open with when it takes no session at all (draining, full): the
+# same server will answer a new call alike, so a kept call that fails so moves on (_open).
+SERVER_REFUSALS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class StreamEnded(ConnectionError):
@@ -215,15 +218,18 @@ class _Generation:
 
     async def _open(self, stream: GenerateStream) -> Opened:
         """Send the Open and read the Opened. A kept call that ended while it idled (the
-        server's idle timeout, its shutdown) is replaced by a new one; a failure that was
-        the answer to the Open comes again on the new call and is raised then."""
+        server's idle timeout or limit, its shutdown) is replaced by a new one on the same
+        server at once. Not one that failed with a refusal of the whole server: that may be
+        the answer to the Open (draining, full), which a new call there would only get
+        again, so the generation's retry (generate) decides, on the stream's next server. A
+        failure that was the answer to the Open comes again on the new call and is raised."""
         fresh = stream.begin(self.metadata)
         while True:
             self._send(codec.open_to_pb(self.request))
             try:
                 event = await self._read_one(stream.call)
-            except (StreamEnded, grpc.aio.AioRpcError):
-                if fresh:
+            except (StreamEnded, grpc.aio.AioRpcError) as exc:
+                if fresh or (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in SERVER_REFUSALS):
                     raise
                 stream.abort()
                 fresh = stream.begin(self.metadata)
