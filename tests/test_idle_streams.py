@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from specsplit.server.idle_streams import Evicted, IdleStreams
+from specsplit.server.idle_streams import Evicted, IdleStreams, TrimTimer
 
 
 def _told(outbox: asyncio.Queue, opens: int = 1) -> bool:
@@ -47,6 +48,27 @@ def test_a_trim_once_the_grace_has_run_out_ends_what_no_later_stream_going_idle_
     assert idle.add("b", b, 1, 0.5) == pytest.approx(4.5)
     assert idle.trim(4.9) == pytest.approx(0.1) and not _told(a)  # early: it says when again
     assert idle.trim(5.0) is None and _told(a) and not _told(b) and len(idle) == 1
+
+
+def test_the_timer_trims_again_until_the_limit_holds() -> None:
+    """With room for one, a stream goes idle and two more 0.1 s later: the timer's first
+    trim (the first stream's grace run out) ends only the first, and sets itself again for
+    the second, whose grace runs out later."""
+
+    async def main() -> list[bool]:
+        idle = IdleStreams(1, grace_s=0.2)
+        timer = TrimTimer(idle)
+        outboxes = [asyncio.Queue(maxsize=4) for _ in range(3)]
+        timer.after(idle.add("0", outboxes[0], 1, time.monotonic()))
+        await asyncio.sleep(0.1)
+        for n in (1, 2):
+            timer.after(idle.add(str(n), outboxes[n], 1, time.monotonic()))
+        await asyncio.sleep(0.8)  # well past the last one's grace
+        told = [_told(q) for q in outboxes]
+        timer.cancel()
+        return [*told, len(idle) == 1]
+
+    assert asyncio.run(main()) == [True, True, False, True]
 
 
 def test_the_end_names_the_sessions_the_stream_had_opened_when_it_went_idle() -> None:

@@ -117,8 +117,9 @@ def _generation(session: str) -> list:
 
 
 def test_a_kept_call_that_failed_while_idle_is_replaced() -> None:
-    """A kept call whose failure shows only when the next Open is read (the server shut down
-    meanwhile, say) costs the generation nothing: it goes out again on a new call."""
+    """A kept call whose failure shows only when the next Open is read (cancelled meanwhile,
+    say; not a refusal of the whole server, below) costs the generation nothing: it goes out
+    again on a new call."""
     dead = _Call(_generation("a"), grpc.StatusCode.CANCELLED)
     stub = _Stub([dead, _Call(_generation("b"), None)])
     cfg = EdgeConfig(mode="none", max_new_tokens=2)

@@ -217,12 +217,13 @@ class _Generation:
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
     async def _open(self, stream: GenerateStream) -> Opened:
-        """Send the Open and read the Opened. A kept call that ended while it idled (the
-        server's idle timeout or limit, its shutdown) is replaced by a new one on the same
-        server at once. Not one that failed with a refusal of the whole server: that may be
-        the answer to the Open (draining, full), which a new call there would only get
-        again, so the generation's retry (generate) decides, on the stream's next server. A
-        failure that was the answer to the Open comes again on the new call and is raised."""
+        """Send the Open and read the Opened. A kept call that ended while it idled with OK
+        (the server's idle timeout or limit) or another status is replaced by a new one on
+        the same server at once. Not one that failed with UNAVAILABLE or RESOURCE_EXHAUSTED
+        (the server draining, full, shut down or gone): that may be the answer to the Open,
+        which a new call there would only get again, so the generation's retry (generate)
+        decides, after its backoff or the pushback, on the stream's next server. A failure
+        that was the answer to the Open comes again on the new call and is raised."""
         fresh = stream.begin(self.metadata)
         while True:
             self._send(codec.open_to_pb(self.request))

@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "H200: passes of short sessions 1.4 to 2.6x faster with 2048-position slots, and in a load test "
                    "there the server committed 40%% more tokens/s for server-only sessions; with 512 passes 3 to 27%% "
                    "faster, but the load test's server-only sessions fared better or worse by machine "
-                   "(docs/capacity.md). Graph capture takes as many times longer as there are buckets")
+                   "(docs/capacity.md), and new sessions waited longer for their Opened. Graph capture takes as many times "
+                   "longer as there are buckets")
     s.add_argument(
         "--load-format",
         choices=["auto", "dummy", "dummy-echo"],

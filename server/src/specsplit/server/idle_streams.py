@@ -14,6 +14,7 @@ bounds the streams that idle on, not a burst.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -65,3 +66,27 @@ class IdleStreams:
 
     def discard(self, stream_id: str) -> None:
         self._streams.pop(stream_id, None)
+
+
+class TrimTimer:
+    """Trims `idle` again when a trim says to (IdleStreams.trim), on the running event loop.
+    One timer at a time: a stream going idle later can only need a later trim than the one
+    pending, and a trim that comes early sets the next."""
+
+    def __init__(self, idle: IdleStreams) -> None:
+        self.idle = idle
+        self._timer: asyncio.TimerHandle | None = None
+
+    def after(self, delay: float | None) -> None:
+        """Trim in `delay` s (None: no need), unless a trim is already due."""
+        if delay is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(delay, self._trim)
+
+    def _trim(self) -> None:
+        self._timer = None
+        self.after(self.idle.trim(time.monotonic()))
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

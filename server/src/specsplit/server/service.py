@@ -20,7 +20,7 @@ from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits,
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
 from specsplit.server.engine import Engine
-from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams
+from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
 from specsplit.server.listeners import bind_listeners, check_listeners
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
@@ -94,19 +94,7 @@ class SpecSplitService:
         # Half the timeout where that is shorter than the grace: the timeout ends streams anyway.
         self.idle = IdleStreams(cfg.max_idle_streams, min(GRACE_S, cfg.idle_stream_s / 2))
         metrics.streams_idle.set_function(lambda: len(self.idle))
-        self._trim_timer: asyncio.TimerHandle | None = None
-
-    def _trim_idle_in(self, delay: float | None) -> None:
-        """Trim the idle streams again after `delay` s (None: no need). One timer at a time: a
-        stream going idle later can only need a later trim than the one pending."""
-        if delay is None or self._trim_timer is not None:
-            return
-
-        def trim() -> None:
-            self._trim_timer = None
-            self._trim_idle_in(self.idle.trim(time.monotonic()))
-
-        self._trim_timer = asyncio.get_running_loop().call_later(delay, trim)
+        self.trimmer = TrimTimer(self.idle)
 
     async def _read(
         self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue, stream_task: asyncio.Task
@@ -213,7 +201,7 @@ class SpecSplitService:
                     session = None
                     if half_closed:
                         return
-                    self._trim_idle_in(self.idle.add(conn.stream_id, outbox, conn.opens, time.monotonic()))
+                    self.trimmer.after(self.idle.add(conn.stream_id, outbox, conn.opens, time.monotonic()))
         finally:
             reader.cancel()
             self.idle.discard(conn.stream_id)
@@ -313,6 +301,7 @@ async def serve(
         while worker.sessions and loop.time() < deadline and not worker_task.done():  # none ends without it
             await asyncio.sleep(0.1)
         await asyncio.gather(*(server.stop(1.0) for server in servers))
+        service.trimmer.cancel()
         worker_task.cancel()
         lag_task.cancel()
         worker.close()

@@ -168,9 +168,9 @@ class StaticEngine:
         with graphs) compiles the model's norms and MLPs in place (`fusion.fuse_pointwise`);
         `bucket_kv` has a pass attend over its KV bucket (kv_buckets), not the whole slot.
 
-        bucket_kv is off by default: it makes every pass faster, but in a load test of
-        server-only sessions at 512 positions the server then ran more, smaller passes and
-        held fewer sessions at the SLO (docs/capacity.md)."""
+        `serve` turns bucket_kv on for slots longer than 512 positions (kv_buckets_by_default):
+        it makes every pass faster, but at 512 the load test's server-only sessions fared
+        better or worse by machine (docs/capacity.md)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
