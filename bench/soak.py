@@ -50,9 +50,8 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
             while time.monotonic() < deadline:
                 cfg = EdgeConfig(mode=modes[n % 3], max_new_tokens=16 + (i + n) % 48, window=8, k=4)
                 try:
-                    r = await generate(address, prompts[(i + n) % len(prompts)], cfg, drafter=drafter,
-                                       fingerprint=tok.fingerprint, channel=channel, stream=stream,
-                                       connect=ConnectOptions(retries=0))
+                    r = await generate(stream or channel, prompts[(i + n) % len(prompts)], cfg, drafter=drafter,
+                                       fingerprint=tok.fingerprint, connect=ConnectOptions(retries=0))
                     done += 1
                     tokens += len(r.tokens)
                 except grpc.aio.AioRpcError as exc:

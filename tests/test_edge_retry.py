@@ -1,10 +1,12 @@
-"""Which failures an edge re-opens its generation after, and how long it waits first."""
+"""Which failures an edge re-opens its generation after, how long it waits first, and where it goes."""
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
 
-from specsplit.edge.client import StreamStalled, retry_delay
+from specsplit.edge.client import EdgeConfig, StreamStalled, generate, retry_delay
 
 
 def _refused(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioRpcError:
@@ -24,3 +26,8 @@ def _refused(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioR
 ])
 def test_retry_delay(exc: Exception, delay: float | None) -> None:
     assert retry_delay(exc, 0.5) == delay
+
+
+def test_a_generation_needs_somewhere_to_go() -> None:
+    with pytest.raises(ValueError, match="needs a server address"):
+        asyncio.run(generate([], [1, 2, 3], EdgeConfig(mode="none")))

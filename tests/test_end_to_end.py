@@ -91,7 +91,7 @@ def _first_two_counts(server, tiny, ids, mode, params, sessions) -> np.ndarray:
                     try:
                         sampling = SamplingParams(params.temperature, params.top_p, params.top_k, seed=i)
                         cfg = EdgeConfig(max_new_tokens=2, sampling=sampling, verification=mode, window=4)
-                        r = await generate(server, ids, cfg, drafter=drafter, fingerprint=fp, channel=ch)
+                        r = await generate(ch, ids, cfg, drafter=drafter, fingerprint=fp)
                         return r.tokens
                     finally:
                         drafter.reset()

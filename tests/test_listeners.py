@@ -29,8 +29,8 @@ async def _sessions(address: str, tiny) -> list[list[int]]:
         mode = "none" if i % 2 else "async"
         drafter = None if mode == "none" else OnnxDrafter(tiny.draft_dir)
         async with grpc.aio.insecure_channel(address, options=OWN_CONNECTION) as channel:
-            result = await generate(address, prompt, EdgeConfig(mode=mode, max_new_tokens=MAX_NEW), drafter=drafter,
-                                    fingerprint=tok.fingerprint, channel=channel, connect=ConnectOptions(retries=0))
+            result = await generate(channel, prompt, EdgeConfig(mode=mode, max_new_tokens=MAX_NEW), drafter=drafter,
+                                    fingerprint=tok.fingerprint, connect=ConnectOptions(retries=0))
         return result.tokens
 
     return [prompt, *await asyncio.gather(*(one(i) for i in range(SESSIONS)))]

@@ -199,16 +199,14 @@ def test_sigterm_drains_and_devices_move_on(tiny, server, tmp_path) -> None:
             async def device() -> tuple:
                 channels = [grpc.aio.insecure_channel(a) for a in (address, server)]
                 stream = GenerateStream.on(*channels)
-                before = await generate("unused", ids, cfg, fingerprint=tok.fingerprint, connect=connect,
-                                        stream=stream)
+                before = await generate(stream, ids, cfg, fingerprint=tok.fingerprint, connect=connect)
                 proc.send_signal(signal.SIGTERM)
                 with grpc.insecure_channel(address) as ch:
                     health = health_pb2_grpc.HealthStub(ch)
                     assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
                                     == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
                 code, _ = raw_stream(address, [open_msg(PROMPT)])
-                after = await generate("unused", ids, cfg, fingerprint=tok.fingerprint, connect=connect,
-                                       stream=stream)
+                after = await generate(stream, ids, cfg, fingerprint=tok.fingerprint, connect=connect)
                 stream.close()
                 for channel in channels:
                     await channel.close(grace=1.0)
@@ -305,8 +303,8 @@ def test_a_kept_stream_fails_over_and_stays_on_the_server_that_took_it(tiny, ser
                 if i == 1:
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.wait()
-                results.append(await generate("unused", tok.encode(prompt), cfg, drafter=drafter,
-                                              fingerprint=tok.fingerprint, connect=connect, stream=stream))
+                results.append(await generate(stream, tok.encode(prompt), cfg, drafter=drafter,
+                                              fingerprint=tok.fingerprint, connect=connect))
             stream.close()
             for channel in channels:
                 await channel.close(grace=1.0)

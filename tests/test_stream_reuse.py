@@ -36,11 +36,11 @@ def test_generations_share_a_stream_until_it_idles_out(tiny, tmp_path) -> None:
                 stream = GenerateStream.on(channel)
                 results = []
                 for prompt, cfg in zip(PROMPTS, CONFIGS):
-                    results.append(await generate(address, tokenizer.encode(prompt), cfg, drafter=drafter,
-                                                  fingerprint=tokenizer.fingerprint, stream=stream))
+                    results.append(await generate(stream, tokenizer.encode(prompt), cfg, drafter=drafter,
+                                                  fingerprint=tokenizer.fingerprint))
                 await asyncio.sleep(2.0)  # past the idle timeout: the server ends the call
-                results.append(await generate(address, tokenizer.encode(PROMPTS[0]), CONFIGS[0], drafter=drafter,
-                                              fingerprint=tokenizer.fingerprint, stream=stream))
+                results.append(await generate(stream, tokenizer.encode(PROMPTS[0]), CONFIGS[0], drafter=drafter,
+                                              fingerprint=tokenizer.fingerprint))
                 stream.close()
                 return results
 
@@ -68,8 +68,7 @@ def test_an_idle_stream_ends_with_an_ok_status(tiny, tmp_path) -> None:
         async def main() -> tuple[grpc.StatusCode, float]:
             async with grpc.aio.insecure_channel(address) as channel:
                 stream = GenerateStream.on(channel)
-                await generate(address, tokenizer.encode(PROMPTS[1]), CONFIGS[1], fingerprint=tokenizer.fingerprint,
-                               stream=stream)
+                await generate(stream, tokenizer.encode(PROMPTS[1]), CONFIGS[1], fingerprint=tokenizer.fingerprint)
                 done = time.monotonic()
                 assert await stream.call.read() is grpc.aio.EOF
                 return await stream.call.code(), time.monotonic() - done
@@ -126,7 +125,7 @@ def test_a_kept_call_that_failed_while_idle_is_replaced() -> None:
 
     async def main() -> list:
         stream = GenerateStream(stub)  # type: ignore[arg-type]
-        return [await generate("unused", [1, 2, 3], cfg, stream=stream) for _ in range(2)]
+        return [await generate(stream, [1, 2, 3], cfg) for _ in range(2)]
 
     first, second = asyncio.run(main())
     assert (first.opened.session_id, second.opened.session_id) == ("a", "b")
@@ -146,7 +145,7 @@ def test_a_kept_call_refused_by_its_server_moves_to_the_next_without_asking_it_a
 
     async def main() -> list:
         stream = GenerateStream(first, second)  # type: ignore[arg-type]
-        return [await generate("unused", [1, 2, 3], cfg, stream=stream,
+        return [await generate(stream, [1, 2, 3], cfg,
                                connect=ConnectOptions(backoff_s=0.01)) for _ in range(2)]
 
     one, two = asyncio.run(main())
@@ -166,8 +165,7 @@ def test_past_the_idle_limit_the_longest_idle_stream_ends_and_its_device_carries
         metrics = f"127.0.0.1:{mport}"
 
         async def run(stream: GenerateStream, prompt: str):  # type: ignore[no-untyped-def]
-            return await generate(address, tokenizer.encode(prompt), CONFIGS[1], fingerprint=tokenizer.fingerprint,
-                                  stream=stream)
+            return await generate(stream, tokenizer.encode(prompt), CONFIGS[1], fingerprint=tokenizer.fingerprint)
 
         async def main() -> tuple[list, grpc.StatusCode]:
             async with grpc.aio.insecure_channel(address) as channel:
@@ -211,8 +209,8 @@ def test_devices_going_idle_together_past_the_limit_are_trimmed_once_the_grace_r
             async with grpc.aio.insecure_channel(address) as channel:
                 streams = [GenerateStream.on(channel), GenerateStream.on(channel)]
                 await asyncio.gather(*(
-                    generate(address, tokenizer.encode(prompt), CONFIGS[1], fingerprint=tokenizer.fingerprint,
-                             stream=stream) for stream, prompt in zip(streams, PROMPTS)))
+                    generate(stream, tokenizer.encode(prompt), CONFIGS[1], fingerprint=tokenizer.fingerprint)
+                    for stream, prompt in zip(streams, PROMPTS)))
                 seen = [wait_for(lambda: metric(metrics, "specsplit_streams_idle") == 2)]
                 seen.append(wait_for(
                     lambda: metric(metrics, 'specsplit_idle_streams_ended_total{reason="limit"}') == 1, timeout=20))

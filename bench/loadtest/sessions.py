@@ -201,8 +201,8 @@ class _Session:
                 if deadline is not None and self.log.window_s is None:
                     self.log.window_s = deadline - max(started, opens)
                 try:
-                    result = await generate(s.address, s.prompts[prompt], self.cfg, drafter=self._drafter(prompt),
-                                            fingerprint=s.fingerprint, channel=channel, stream=stream,
+                    result = await generate(stream or channel, s.prompts[prompt], self.cfg,
+                                            drafter=self._drafter(prompt), fingerprint=s.fingerprint,
                                             connect=ConnectOptions(retries=0))
                 except grpc.aio.AioRpcError as exc:
                     self.log.errors[exc.code().name] += 1

@@ -53,7 +53,7 @@ class SweepConfig:
 async def _server_alone(address: str, prompts: PromptSet, max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
     cfg = EdgeConfig(mode="none", max_new_tokens=max_new_tokens)
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        results = [await generate(address, ids, cfg, fingerprint=prompts.fingerprint, channel=channel,
+        results = [await generate(channel, ids, cfg, fingerprint=prompts.fingerprint,
                                   connect=ConnectOptions(retries=0)) for ids in prompts.ids]
     return tuple(tuple(r.tokens) for r in results)
 

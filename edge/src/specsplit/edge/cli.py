@@ -96,9 +96,9 @@ async def _generate(args: argparse.Namespace) -> int:
         async for prompt in _prompts(args):
             text = prompt if args.raw else tokenizer.chat_prompt(prompt)
             shown = None if args.json else TextStream(tokenizer)
-            result = await generate(servers, tokenizer.encode(text), cfg, drafter=drafter,
+            result = await generate(stream, tokenizer.encode(text), cfg, drafter=drafter,
                                     fingerprint=tokenizer.fingerprint, draft_model=str(directory),
-                                    on_commit=shown, connect=connect, stream=stream)
+                                    on_commit=shown, connect=connect)
             _report(result, tokenizer, args, shown, stats_file)
     finally:
         stream.close()

@@ -431,7 +431,7 @@ def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:
 
 
 async def generate(
-    servers: str | Sequence[str],
+    via: str | Sequence[str] | grpc.aio.Channel | GenerateStream,
     prompt_ids: Sequence[int],
     cfg: EdgeConfig,
     drafter: Drafter | None = None,
@@ -439,18 +439,20 @@ async def generate(
     draft_model: str = "",
     committed_ids: Sequence[int] = (),
     on_commit: Callable[[list[int]], None] | None = None,
-    channel: grpc.aio.Channel | None = None,
     connect: ConnectOptions = ConnectOptions(),
-    stream: GenerateStream | None = None,
 ) -> GenerationResult:
-    """Generate one completion of `prompt_ids` through a server (host:port, or a list to
-    fail over along). A lost server or stream costs only time: the generation is re-opened
-    with everything committed so far, so the final text is the same.
+    """Generate one completion of `prompt_ids` through a server. A lost server or stream
+    costs only time: the generation is re-opened with everything committed so far, so the
+    final text is the same.
 
-    With `stream`, the generation runs on that stream's call and leaves it open for the
-    device's next generation (stream.py), a retry going to the stream's next server, and
-    `servers` is not used; else on a call of its own, on `channel` if given."""
-    addresses = [servers] if isinstance(servers, str) else list(servers)
+    `via` says where: a server's host:port, or a list to fail over along, each attempt on a
+    connection of its own; a channel, every attempt on a call of its own on it; or a device's
+    kept GenerateStream (stream.py), which the generation runs on and leaves open for the
+    device's next one, a retry going to the stream's next server."""
+    if isinstance(via, str):
+        via = [via]
+    if not isinstance(via, (grpc.aio.Channel, GenerateStream)) and not via:
+        raise ValueError("generate needs a server address")
     committed = list(committed_ids)
     backoff = connect.backoff_s
     for attempt in range(connect.retries + 1):
@@ -458,12 +460,12 @@ async def generate(
         gen.stall_timeout_s = connect.stall_timeout_s
         gen.metadata = (("authorization", f"Bearer {connect.token}"),) if connect.token else ()
         try:
-            if stream is not None:
-                result = await gen.run(stream)
-            elif channel is not None:
-                result = await _on_own_call(gen, channel)
+            if isinstance(via, GenerateStream):
+                result = await gen.run(via)
+            elif isinstance(via, grpc.aio.Channel):
+                result = await _on_own_call(gen, via)
             else:
-                async with open_channel(addresses[attempt % len(addresses)], connect) as ch:
+                async with open_channel(via[attempt % len(via)], connect) as ch:
                     result = await _on_own_call(gen, ch)
             result.stats.reconnects = attempt
             return result
@@ -473,8 +475,8 @@ async def generate(
                 raise
             if gen.edge is not None:
                 committed = gen.edge.generated  # includes what earlier attempts committed
-            if stream is not None:
-                stream.fail_over()
+            if isinstance(via, GenerateStream):
+                via.fail_over()
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, 8.0)
     raise AssertionError("the retry loop returns or raises")
