@@ -35,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from specsplit.server.engine import TargetEngine, warm_up
     from specsplit.server.loading import load_model
+    from specsplit.server.progress_log import ProgressLog
     from specsplit.server.scheduler import SchedulerConfig
     from specsplit.server.service import ServeConfig, serve
 
@@ -101,9 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
         if engine.graphs:
             log.info("capturing CUDA graphs for every pass shape up to %d sessions and %d tokens ...",
                      args.max_batch_sessions, args.max_batch_tokens)
-            t0 = time.monotonic()
-            n = engine.capture_graphs(args.max_batch_sessions, args.max_batch_tokens)
-            log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
+            # Thousands of graphs at large limits take minutes: a line every 10 s, and the total at the end.
+            engine.capture_graphs(args.max_batch_sessions, args.max_batch_tokens,
+                                  progress=ProgressLog(log, "captured CUDA graphs"))
     else:
         engine = TargetEngine(loaded)
     t0 = time.monotonic()
