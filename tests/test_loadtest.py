@@ -22,7 +22,7 @@ from loadtest.report import _window, write_report
 from loadtest.sessions import (GenerationRecord, LoadRun, LoadSettings, LoadSpec, SessionLog, _Session,
                                committed_between, run_sessions)
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
-from loadtest.summary import session_speeds, summarize
+from loadtest.summary import by_process, session_speeds, summarize
 from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
 from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from loadtest.timeline import Acceptance
@@ -276,6 +276,24 @@ def test_server_speed_is_over_the_set_window_though_processes_start_apart() -> N
     point = summarize(run, spec, {}, {}, 0.0, 0.0, client_procs=2)
     assert point["server_tok_s"] == pytest.approx(3 * 200 / 10.0)
     assert point["session_tok_s"]["min"] == point["session_tok_s"]["p50"] == pytest.approx(20.0)
+
+
+def test_sessions_are_also_summed_up_by_the_load_generator_process_that_ran_them() -> None:
+    """Sessions are dealt round robin: with two processes, even sessions ran in the first.
+    There they generated the whole window at 20 tokens/s; in the second, as fast while
+    generating but for only half the window (waiting between generations)."""
+    def generations(tokens: int, elapsed_s: float, second_at: float) -> list[GenerationRecord]:
+        return [_generation(tokens, elapsed_s, tokens),
+                replace(_generation(tokens, elapsed_s, tokens), started_at=second_at)]
+
+    sessions = [SessionLog(i, "none", generations(100, 5.0, 5.0) if i % 2 == 0 else generations(50, 2.5, 7.5),
+                           window_s=10.0) for i in range(4)]
+    first, second = by_process(sessions, 2)
+    assert (first["sessions"], second["sessions"]) == (2, 2)
+    assert (first["tok_s_mean"], second["tok_s_mean"]) == (pytest.approx(20.0), pytest.approx(10.0))
+    assert first["tok_s_whole_mean"] == second["tok_s_whole_mean"] == pytest.approx(20.0)
+    assert (first["generating_share"], second["generating_share"]) == (pytest.approx(1.0), pytest.approx(0.5))
+    assert first["ttft_ms"]["count"] == 4 and first["ttft_ms"]["p50"] == pytest.approx(100.0)
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

@@ -63,6 +63,23 @@ def _row(mode: str, p: dict) -> str:
             f"| {_f(alpha, 2)} | {client} | {errors} | {'yes' if p['meets_slo'] else 'no'}{_runs(p)} |")
 
 
+def _process_spread(points: list[dict]) -> list[str]:
+    """Per point with several load-generator processes: how far apart their sessions ran."""
+    lines = []
+    for p in points:
+        procs = p.get("by_process") or []
+        if len(procs) < 2:
+            continue
+        speeds = [q["tok_s_mean"] for q in procs]
+        shares = [q["generating_share"] for q in procs if q["generating_share"] is not None]
+        itl = [q["itl_ms"]["p50"] for q in procs if q["itl_ms"]]
+        lines.append(f"- {p['sessions']} sessions, by load-generator process: session tok/s means {min(speeds):.1f} to "
+                     f"{max(speeds):.1f}" + (f", share of their time in generations {min(shares):.2f} to {max(shares):.2f}"
+                                             if shares else "")
+                     + (f", ITL p50 {min(itl):.1f} to {max(itl):.1f} ms" if itl else ""))
+    return [*lines, ""] if lines else []
+
+
 def _lag(server: dict) -> str:
     """The event loop's lag, mean / the bound its p99 lies under (– in reports from before it)."""
     mean = server.get("loop_lag_mean_ms")
@@ -170,6 +187,7 @@ def render_markdown(report: dict, name: str) -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *(_row(mode, p) for p in points),
             "",
+            *_process_spread(points),
         ]
     lines.append(f"Rerun: `{report['rerun']}`")
     return "\n".join(lines) + "\n"

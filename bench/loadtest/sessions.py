@@ -90,6 +90,7 @@ class GenerationRecord:
     drafts_wasted: int
     branches_taken: int = 0  # rejections after which the edge carried on along its branch
     opened_s: float | None = None  # of the TTFT, the wait for the server's Opened
+    started_at: float = 0.0  # time.monotonic() at its start
 
 
 @dataclass
@@ -148,6 +149,7 @@ def _record(result: GenerationResult, reference: tuple[int, ...], started: float
         drafts_wasted=result.stats.drafts_wasted,
         branches_taken=result.stats.branches_taken,
         opened_s=result.stats.opened_s,
+        started_at=started,
     )
 
 

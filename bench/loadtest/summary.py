@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 
 from loadtest.scrape import Snapshot, counter_delta, histogram_delta
-from loadtest.sessions import LoadRun, LoadSpec, SessionLog
+from loadtest.sessions import GenerationRecord, LoadRun, LoadSpec, SessionLog
 from loadtest.timeline import Acceptance, percentiles
 
 MB = 2**20
@@ -29,6 +29,40 @@ def session_speeds(sessions: list[SessionLog]) -> list[float]:
     faster than the rest). Without a deadline (a set number of generations), tokens over the
     time spent generating them."""
     return [s.tokens_per_s_under_load for s in sessions]
+
+
+def generating_share(records: list[GenerationRecord]) -> float | None:
+    """Of the time from a session's first generation's start to its last one's end, the share
+    spent in generations (the rest: between a Done and the next start); None if no time."""
+    if not records:
+        return None
+    span = records[-1].started_at + records[-1].elapsed_s - records[0].started_at
+    return sum(r.elapsed_s for r in records) / span if span > 0 else None
+
+
+def by_process(sessions: list[SessionLog], procs: int) -> list[dict]:
+    """The sessions of each load-generator process (dealt round robin: session i to process
+    i mod procs), side by side. Server-only GPU points showed every session of a process at
+    one speed and the processes apart by up to a sixth: whether a process's sessions spend
+    less of their time in generations (gaps between them) or decode slower while in them (their
+    tokens reach them later) says more of where that lies."""
+    out = []
+    for proc in range(procs):
+        mine = [s for s in sessions if s.index % procs == proc]
+        records = [r for s in mine for r in s.records]
+        shares = [share for s in mine if (share := generating_share(s.records)) is not None]
+        speeds = session_speeds(mine)
+        out.append({
+            "process": proc,
+            "sessions": len(mine),
+            "tok_s_min": min(speeds, default=0.0),
+            "tok_s_mean": float(np.mean(speeds)) if speeds else 0.0,
+            "tok_s_whole_mean": float(np.mean([s.tokens_per_s for s in mine])) if mine else 0.0,
+            "generating_share": float(np.mean(shares)) if shares else None,
+            "ttft_ms": percentiles([r.ttft_s * 1000 for r in records if r.ttft_s is not None]),
+            "itl_ms": _pooled(mine, "itl_ms"),
+        })
+    return out
 
 
 def _pooled(sessions: list[SessionLog], attr: str) -> dict | None:
@@ -123,4 +157,5 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
         "server": _server(before, after, wall, kv_peak, rss_peak),
         "client": {"procs": client_procs, "cores": cores, "cpu_cores_busy": busy,
                    "saturated": busy >= SATURATED * cores},
+        "by_process": by_process(sessions, client_procs),
     }
