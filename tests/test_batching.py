@@ -31,6 +31,7 @@ from specsplit.protocol.server_session import ServerSession
 from specsplit.common.prefix import common_prefix
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
 from specsplit.server.loading import cpu_has_fast_bf16, load_model, resolve_dtype
+from specsplit.server.pace import PaceLog
 from specsplit.server.scheduler import PassFill, SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.server.static_engine import (SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, kv_buckets,
                                             kv_buckets_by_default, pass_shapes)
@@ -261,8 +262,8 @@ def test_sessions_ahead_of_the_pace_sit_out_while_one_is_behind(pace, behind, si
         now = time.monotonic()
         for sid, rate in zip(ids, (behind, 40.0, 21.0)):  # s3 is younger than the pace's window
             h = worker.sessions[sid]
-            h.commits.clear()
-            h.commits.append((now - 3.0, h.session.committed_len - rate * 3.0))
+            h.pace = PaceLog(now - 3.0)
+            h.pace.commit(now - 0.1, round(rate * 3.0))
         picked = {sh.handle.session.session_id for sh in worker._pick()[0]}
         assert picked == set(ids) - sits_out
         assert worker.metrics.sessions_paced._value.get() == len(sits_out)

@@ -301,9 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-batch-sessions", type=int, default=32, help="most sessions one target pass verifies (with the static engine, rows: a prompt split over rows takes several)")
     s.add_argument("--pace-tokens-per-s", type=float, default=0.0,
-                   help="the tokens/s each session should get (an SLO): when a session ready for a pass has "
+                   help="the tokens/s each device should get (an SLO): when a session ready for a pass has "
                    "committed slower than this over the last 2 s, the ready sessions more than 10%% faster sit that "
-                   "pass out, so that a smaller pass comes round sooner for those behind (default 0: no pacing)")
+                   "pass out, so that a smaller pass comes round sooner for those behind. A device's generations on "
+                   "one stream, each opened within 1 s of the last one's end, share one pace (default 0: no pacing)")
     s.add_argument(
         "--max-batch-tokens",
         type=int,

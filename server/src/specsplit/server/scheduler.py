@@ -38,13 +38,13 @@ from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMo
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import Engine, KVState, VerifyItem
 from specsplit.server.metrics import ServerMetrics
+from specsplit.server.pace import PaceLog
 from specsplit.server.policy import Explorer, PassCostModel, choose_drafts, choose_width, plan
 
 log = logging.getLogger(__name__)
 
 IDLE_POLICIES = ("adaptive", "ar", "wait")
 DEFAULT_DRAFT_RATE = 10.0  # drafts per second an edge is assumed to send before it is measured
-PACE_WINDOW_S = 2.0  # a session's pace is what it committed over this long
 PACE_MARGIN = 0.1  # ahead of the pace by more than this share, a session may sit a pass out
 # The next pass is picked this many times the pick's usual host time, plus PICK_MARGIN_S,
 # before the running pass is expected to end (_pick_ahead).
@@ -95,19 +95,8 @@ class SessionHandle:
     arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
     explorer: Explorer = field(default_factory=Explorer)  # verifies drafts now and then when the policy declines them
     sending: bool = True  # False once the edge has half-closed: no drafts will come, so nothing waits for them
-    commits: deque = field(default_factory=deque)  # (time, committed length) after each verdict, for the pace
-
-    def __post_init__(self) -> None:
-        self.commits.append((time.monotonic(), self.session.committed_len))
-
-    def pace(self, now: float) -> float | None:
-        """Tokens/s committed over the last PACE_WINDOW_S; None for a session younger than that."""
-        while len(self.commits) > 1 and self.commits[1][0] <= now - PACE_WINDOW_S:
-            self.commits.popleft()
-        since, committed = self.commits[0]
-        if since > now - PACE_WINDOW_S:
-            return None
-        return (self.session.committed_len - committed) / (now - since)
+    # What its device committed lately, for the pace: the stream's, across its generations (pace.py).
+    pace: PaceLog = field(default_factory=lambda: PaceLog(time.monotonic()))
 
     def draft_rate(self, now: float) -> float:
         """Drafts per second lately received from the edge."""
@@ -337,7 +326,7 @@ class VerificationWorker:
         comfortably ahead. Only ready sessions count as behind, ones the server can help now;
         nobody is held back while nobody is, so an idle server stays work-conserving."""
         pace = self.config.pace_tokens_per_s
-        rates = [h.pace(now) for h in ready]
+        rates = [h.pace.rate(now) for h in ready]
         if not any(r is not None and r < pace for r in rates):
             return ready
         kept = [h for h, r in zip(ready, rates) if r is None or r <= pace * (1 + PACE_MARGIN)]
@@ -563,9 +552,10 @@ class VerificationWorker:
             line, *aside = np.split(result, np.cumsum(sizes[:-1]))
         else:  # most tasks: splitting one piece off would cost more than the rest of the delivery
             line, aside = result, []
+        committed = s.committed_len
         events = s.apply(task, line, aside)
         if self.config.pace_tokens_per_s:
-            handle.commits.append((time.monotonic(), s.committed_len))
+            handle.pace.commit(time.monotonic(), s.committed_len - committed)
         if s.branch_verified is not None:
             handle.kv.take_branch(s.branch_verified)  # the cache follows the committed line onto the branch
             self.metrics.branches_verified.inc()

@@ -24,6 +24,7 @@ from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTim
 from specsplit.server.listeners import bind_listeners, check_listeners
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
+from specsplit.server.pace import PaceLog
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 from specsplit.v1 import specsplit_pb2 as pb
 
@@ -104,6 +105,7 @@ class SpecSplitService:
 
         Requests arrive as raw bytes so that a message that does not parse is answered
         with INVALID_ARGUMENT instead of the framework's INTERNAL."""
+        pace: PaceLog | None = None  # the device's, carried from one generation on the stream to the next
         try:
             async for raw in requests:
                 try:
@@ -123,8 +125,9 @@ class SpecSplitService:
                     await outbox.put(item)
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
+                    pace = PaceLog.for_next(pace, time.monotonic())
                     self.worker.add(SessionHandle(conn.session, outbox, kv=self.worker.engine.new_state(),
-                                                  stream_task=stream_task))
+                                                  stream_task=stream_task, pace=pace))
                     self.metrics.sessions_total.inc()
                 else:
                     self.worker.notify()
