@@ -12,6 +12,7 @@ from conftest import launch_server
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.server.listeners import bind_listeners, check_port_free
 from specsplit.server.service import ServeConfig
 from test_end_to_end import reference
 
@@ -52,3 +53,27 @@ def test_listeners_share_the_port_and_serve_losslessly(tiny, tmp_path) -> None:
 def test_listeners_must_be_at_least_one() -> None:
     with pytest.raises(ValueError, match="listeners must be at least 1"):
         ServeConfig(listeners=0)
+
+
+def test_a_port_another_server_listens_on_is_refused_not_shared() -> None:
+    """gRPC binds with SO_REUSEPORT, with which a second server could take a share of the
+    first one's connections without a word; binding must fail instead."""
+    async def main() -> None:
+        other = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        port = other.add_insecure_port("127.0.0.1:0")
+        await other.start()
+        try:
+            with pytest.raises(OSError, match="already in use"):
+                bind_listeners(1, "127.0.0.1", port, lambda server: None)
+        finally:
+            await other.stop(None)
+        servers, bound = bind_listeners(2, "127.0.0.1", port, lambda server: None)  # free again
+        assert bound == port and len(servers) == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+def test_a_port_out_of_range_is_refused(port: int) -> None:
+    with pytest.raises(OSError, match="out of range"):
+        check_port_free("127.0.0.1", port)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -383,12 +384,36 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--kv-buckets"], "it needs --engine static"),
         (["--target", "/no/such/model", "--idle-stream-timeout", "0"], "--idle-stream-timeout must be above 0"),
         (["--target", "/no/such/model", "--max-idle-streams", "-1"], "--max-idle-streams must be 0 or more"),
+        # Before any model is loaded (the target here does not exist): a setting that would refuse
+        # every session, or a port or file the server cannot use, shows at once.
+        (["--target", "/no/such/model", "--max-lookahead", "0"], "--max-lookahead must be at least 1"),
+        (["--target", "/no/such/model", "--max-context", "-5"], "--max-context must be at least 1"),
+        (["--target", "/no/such/model", "--threads", "-1"], "--threads must be 0 or more"),
+        (["--target", "/no/such/model", "--port", "70000"], "port 70000 is out of range"),
+        (["--target", "/no/such/model", "--tls-cert", "/no/cert", "--tls-key", "/no/key"], "--tls-cert /no/cert: no such file"),
+        (["--target", "/no/such/model", "--tls-cert", "/no/cert"], "--tls-cert and --tls-key go together"),
+        (["--target", "/no/such/model", "--tokens-file", "/no/tokens"], "--tokens-file /no/tokens: no such file"),
     ],
 )
 def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
     proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_refuses_a_busy_port_and_a_short_token_before_loading(tmp_path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("edge-1 short\n")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for extra, message in ((["--port", str(port)], f"127.0.0.1:{port} is already in use"),
+                               (["--port", "0", "--metrics-port", str(port)], f"127.0.0.1:{port} is already in use"),
+                               (["--port", "0", "--tokens-file", str(tokens)], "shorter than 16 characters")):
+            proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", "--target", "/no/such/model",
+                                   *extra], capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(("argv", "verbose"), [

@@ -31,6 +31,13 @@ def settle_heap() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from specsplit.server.serve_checks import check_serve_args
+
+    try:
+        check_serve_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     from specsplit.server.engine import TargetEngine, warm_up
@@ -60,15 +67,6 @@ def _serve(args: argparse.Namespace) -> int:
         args.kv_buckets = args.engine == "static" and kv_buckets_by_default(args.static_max_len)
     if args.fuse and args.engine != "static":
         print("error: --fuse compiles the static engine's modules; it needs --engine static", file=sys.stderr)
-        return 2
-    if not args.gil_switch_ms > 0:
-        print(f"error: --gil-switch-ms must be above 0, got {args.gil_switch_ms}", file=sys.stderr)
-        return 2
-    if not args.idle_stream_timeout > 0:
-        print(f"error: --idle-stream-timeout must be above 0, got {args.idle_stream_timeout}", file=sys.stderr)
-        return 2
-    if args.max_idle_streams < 0:
-        print(f"error: --max-idle-streams must be 0 or more, got {args.max_idle_streams}", file=sys.stderr)
         return 2
     # The target thread lets go of the GIL in every torch call and must get it back from the
     # event loop, which under load is always busy with messages: at Python's default of 5 ms
@@ -124,9 +122,6 @@ def _serve(args: argparse.Namespace) -> int:
     )
     from specsplit.server.auth import TLSConfig
 
-    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
-        print("error: --tls-cert and --tls-key go together (and --tls-client-ca needs both)", file=sys.stderr)
-        return 2
     tls = TLSConfig(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_client_ca) if args.tls_client_ca else None) \
         if args.tls_cert else None
     cfg = ServeConfig(

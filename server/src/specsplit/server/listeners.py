@@ -1,9 +1,15 @@
 """Several grpc.aio servers on one port (SO_REUSEPORT), so that new calls are taken in
 parallel. A grpc.aio server asks gRPC for its next call only once its event loop has taken
 the last one, so one server takes calls one after another; the kernel deals connections
-among the servers' sockets, and every server serves the same handlers."""
+among the servers' sockets, and every server serves the same handlers.
+
+SO_REUSEPORT (gRPC sets it even for one server) would also let a second server process bind
+the port and take a share of its connections without a word; so the port is first bound
+alone, without it, as a check that nobody listens there (check_port_free)."""
 from __future__ import annotations
 
+import errno
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,18 +21,45 @@ def check_listeners(count: int) -> None:
         raise ValueError(f"listeners must be at least 1, got {count}")
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError if something already listens on host:port (or it cannot be bound there
+    at all). Port 0 (any free one) is always free."""
+    if not 0 <= port <= 65535:
+        raise OSError(f"port {port} is out of range (0 to 65535)")
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # As gRPC binds: ports whose old connections linger in TIME_WAIT are free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(f"{host}:{port} is already in use (another server?)") from None
+                raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+
+
 def bind_listeners(count: int, host: str, port: int, register: Callable[[grpc.aio.Server], None],
                    options: Sequence[tuple[str, Any]] = (), interceptors: Sequence[Any] = (),
                    credentials: grpc.ServerCredentials | None = None) -> tuple[list[grpc.aio.Server], int]:
     """`count` servers bound to host:port (0: a free port), each given its handlers by
     `register`; not started. Returns them and the port they share."""
     check_listeners(count)
+    check_port_free(host, port)
     servers: list[grpc.aio.Server] = []
     for _ in range(count):
         server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)], interceptors=list(interceptors))
         register(server)
         address = f"{host}:{port}"
-        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        try:
+            bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError:  # newer gRPC raises where older returned 0
+            bound = 0
         if bound == 0:
             shared = " beside the first listener (a platform without SO_REUSEPORT needs --listeners 1)" if servers else ""
             raise OSError(f"could not bind {address}{shared}")
