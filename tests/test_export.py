@@ -7,7 +7,7 @@ import pytest
 from onnx import numpy_helper
 
 from specsplit.server import export as export_mod
-from specsplit.server.export import ExportParityError, export_draft, parity_check
+from specsplit.server.export import ExportParityError, check_replaceable, export_draft, parity_check
 from specsplit.server.loading import load_model
 
 
@@ -82,3 +82,26 @@ def test_prepare_redoes_an_export_made_with_an_older_scheme(tiny, tmp_path, quan
     prepare_draft(tiny.target_dir, out, quantize)
     assert DraftExportMeta.load(out).weights == f"{quantize} {SCHEMES[quantize]}"
     assert (out / "model.onnx").stat().st_mtime_ns != stamp
+
+
+def test_export_refuses_to_replace_a_directory_that_is_not_an_export(tiny, tmp_path, capsys) -> None:
+    from specsplit.server.cli import main
+
+    victim = tmp_path / "thesis"
+    victim.mkdir()
+    (victim / "chapter1.txt").write_text("years of work")
+    assert main(["export-draft", "--model", str(tiny.target_dir), "--out", str(victim)]) == 2
+    assert "holds files but no earlier export" in capsys.readouterr().err
+    assert (victim / "chapter1.txt").read_text() == "years of work"
+    assert main(["export-draft", "--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_an_earlier_export_or_an_empty_directory_may_be_replaced(tiny, tmp_path) -> None:
+    check_replaceable(tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    check_replaceable(tmp_path / "empty")
+    check_replaceable(tiny.draft_dir)  # an export: it holds specsplit.json
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="is a file"):
+        check_replaceable(tmp_path / "file")

@@ -153,6 +153,9 @@ def _export(args: argparse.Namespace) -> int:
     except (ExportParityError, MissingWeights) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # a model that is not there, an --out that may not be replaced
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(
         f"wrote {args.out}: {meta.num_layers} layers, vocab {meta.vocab_size}, {meta.weights} weights, "
         f"max |logit diff| vs torch {meta.max_abs_logit_diff:.2e} (tolerance {args.tolerance:.1e})"
@@ -342,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge",
                        parents=[after])
     e.add_argument("--model", required=True, help="Hugging Face directory, .gguf file or hub id")
-    e.add_argument("--out", required=True, help="output directory (replaced if it exists)")
+    e.add_argument("--out", required=True, help="output directory: new, empty, or an earlier export, which is "
+                   "replaced (a directory holding other files is refused)")
     e.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
                    help="int8: weights to int8, one scale per output channel; int4: weight matrices to 4 bits "
                    "in blocks of 32 with a scale and zero point each, the embedding table to int8 (the "

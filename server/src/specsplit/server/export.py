@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from specsplit.common.export_meta import MODEL_FILE, DraftExportMeta
+from specsplit.common.export_meta import META_FILE, MODEL_FILE, DraftExportMeta
 from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
 from specsplit.server.loading import LoadedModel, load_model, source_sha256
 
@@ -167,6 +167,19 @@ def quantize_int4(src: Path, dst: Path, work: Path) -> None:
     middle.unlink()
 
 
+def check_replaceable(out_dir: Path) -> None:
+    """Raise unless `out_dir` may be written over: absent, empty, or an earlier export (it
+    holds META_FILE). The export replaces the whole directory, so a mistyped --out must not
+    take someone's files with it."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a directory for the export")
+    if any(out_dir.iterdir()) and not (out_dir / META_FILE).is_file():
+        raise FileExistsError(f"{out_dir} holds files but no earlier export ({META_FILE}); "
+                              "give an empty or new directory, or an earlier export to replace")
+
+
 def export_draft(
     model_path: str,
     out_dir: Path,
@@ -177,9 +190,10 @@ def export_draft(
     """Export, check parity, optionally quantize, and write `out_dir` atomically."""
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
+    out_dir = Path(out_dir)
+    check_replaceable(out_dir)
     log.info("loading %s", model_path)
     loaded = load_model(model_path, dtype="fp32", attn="eager")
-    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         work = Path(tmp)
