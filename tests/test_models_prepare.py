@@ -1,13 +1,15 @@
-"""Preparing the target: what is saved loads back as the same model, and a checkpoint that
-lacks weights is refused instead of served with random ones."""
+"""Preparing the pair: what is saved loads back as the same model, a checkpoint that lacks
+weights is refused instead of served with random ones, and mistakes show before any download."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specsplit.server import models
 from specsplit.server.loading import MissingWeights, load_model
 from specsplit.server.models import PREPARED_FORMAT, prepare_target
 
@@ -52,3 +54,27 @@ def test_a_checkpoint_that_lacks_weights_is_refused(tiny, tmp_path) -> None:
     save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(MissingWeights, match="lacks 1 of the model's weights"):
         load_model(str(broken))
+
+
+def test_a_missing_source_is_refused_before_anything_is_pulled(tmp_path, monkeypatch) -> None:
+    def pulled(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("the default pair was pulled first")
+
+    monkeypatch.setattr(models, "pull_one", pulled)
+    with pytest.raises(FileNotFoundError, match="--target /no/such/target does not exist"):
+        models.prepare(root=tmp_path, target_source="/no/such/target")
+    with pytest.raises(FileNotFoundError, match="--draft ./missing.gguf does not exist"):
+        models.prepare(root=tmp_path, draft_source="./missing.gguf")
+    with pytest.raises(KeyError, match="unknown model pair"):
+        models.prepare("no-such-pair", root=tmp_path)
+
+
+def test_a_draft_exported_with_another_tokenizer_is_refused(tiny, tmp_path) -> None:
+    models.check_same_tokenizer(tiny.target_dir, tiny.draft_dir)  # the tiny pair shares one
+    other = tmp_path / "other-draft"
+    shutil.copytree(tiny.draft_dir, other)
+    meta = json.loads((other / "specsplit.json").read_text())
+    meta["tokenizer_fingerprint"] = "0" * 16
+    (other / "specsplit.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="has another tokenizer than the target"):
+        models.check_same_tokenizer(tiny.target_dir, other)

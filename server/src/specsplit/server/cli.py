@@ -178,7 +178,9 @@ def _models(args: argparse.Namespace) -> int:
         try:
             pair = models.prepare(args.pair, root, target_source=args.target, draft_source=args.draft,
                                   draft_quantize=args.draft_quantize)
-        except MissingWeights as exc:  # a --target or --draft checkpoint that is not whole
+        # A --target or --draft checkpoint that is not whole, a path that is not there, a pair
+        # whose tokenizers differ.
+        except (MissingWeights, OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         result = {"target": str(pair.target_dir), "draft": str(pair.draft_dir)}
@@ -208,6 +210,8 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specsplit.server.models import DEFAULT_PAIR, PAIRS  # light: the pairs' file lists
+
     p = argparse.ArgumentParser(prog="specsplit-server", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     # Also accepted after the command (`serve -v`), where users put it; SUPPRESS keeps the
@@ -367,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
         "GGUF file or hub id instead of the defaults.",
     )
     m.add_argument("action", choices=["pull", "prepare"])
-    m.add_argument("pair", nargs="?", default="qwen2.5-coder", help="model pair (default: qwen2.5-coder)")
+    m.add_argument("pair", nargs="?", default=DEFAULT_PAIR, choices=sorted(PAIRS), help="model pair")
     m.add_argument("--cache-dir", default=None, help="default: $SPECSPLIT_CACHE or ~/.cache/specsplit")
     m.add_argument("--target", default=None, help="prepare: use this target instead of the default")
     m.add_argument("--draft", default=None, help="prepare: use this draft instead of the default")

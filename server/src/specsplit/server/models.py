@@ -296,6 +296,30 @@ def _prepared_name(source: str) -> str:
     return f"{p.stem if p.suffix == '.gguf' else p.name}-{tag}"
 
 
+def _check_local(source: str | None, flag: str) -> None:
+    """A source written as a path (absolute, relative with ./, ~, or a .gguf file) must exist:
+    found missing only after pulling the default pair, it cost a 1.6 GB download first."""
+    if source is None or Path(source).expanduser().exists():
+        return
+    if source.startswith(("/", ".", "~")) or source.endswith(".gguf"):
+        raise FileNotFoundError(f"{flag} {source} does not exist")
+
+
+def check_same_tokenizer(target: Path, draft: Path) -> None:
+    """Raise ValueError unless the draft was exported with the target's tokenizer: otherwise
+    every generation would be refused (FAILED_PRECONDITION) long after preparing."""
+    from transformers import AutoTokenizer
+
+    from specsplit.common.export_meta import DraftExportMeta
+    from specsplit.common.fingerprint import vocab_fingerprint
+
+    theirs = DraftExportMeta.load(draft).tokenizer_fingerprint
+    ours = vocab_fingerprint(AutoTokenizer.from_pretrained(str(target)).get_vocab())
+    if theirs != ours:
+        raise ValueError(f"the draft {draft} has another tokenizer than the target {target} "
+                         f"(fingerprints {theirs} and {ours}): a pair must share one")
+
+
 def prepare(
     pair: str = DEFAULT_PAIR,
     root: Path | None = None,
@@ -303,18 +327,21 @@ def prepare(
     draft_source: str | None = None,
     draft_quantize: str = DRAFT_QUANTIZATION,
 ) -> PreparedPair:
-    """Prepared target and draft; sources default to the pair's GGUF files (pulled if needed)."""
+    """Prepared target and draft; sources default to the pair's GGUF files (only those pulled)."""
+    if pair not in PAIRS:
+        raise KeyError(f"unknown model pair {pair!r}; known: {', '.join(PAIRS)}")
+    _check_local(target_source, "--target")
+    _check_local(draft_source, "--draft")
     root = root or cache_dir()
     draft_spec, target_spec = PAIRS[pair]
-    if target_source is None or draft_source is None:
-        ggufs = pull(pair, root)
     if target_source is None:
-        target = prepare_target(ggufs["target"], root / "prepared" / f"{target_spec.name}-bf16")
+        target = prepare_target(pull_one(target_spec, root), root / "prepared" / f"{target_spec.name}-bf16")
     elif Path(target_source).is_dir():
         target = Path(target_source)  # a Hugging Face directory is served as it is
     else:
         target = prepare_target(Path(target_source), root / "prepared" / f"{_prepared_name(target_source)}-bf16")
     name = draft_spec.name if draft_source is None else _prepared_name(draft_source)
-    source = ggufs["draft"] if draft_source is None else Path(draft_source)
+    source = pull_one(draft_spec, root) if draft_source is None else Path(draft_source)
     draft = prepare_draft(source, root / "prepared" / f"{name}-{draft_quantize}-onnx", draft_quantize)
+    check_same_tokenizer(target, draft)
     return PreparedPair(target, draft)
