@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TextIO
@@ -28,6 +29,7 @@ from specsplit.edge.client import (
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol.errors import ProtocolError
 from specsplit.protocol.messages import SamplingParams, VerificationMode
 
 VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MATCH, "sparse-q": VerificationMode.SPARSE_Q}
@@ -58,8 +60,19 @@ async def _prompts(args: argparse.Namespace) -> AsyncIterator[str]:
         yield args.prompt
         return
     source = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[str] = asyncio.Queue()
+
+    def read() -> None:
+        while line := source.readline():
+            loop.call_soon_threadsafe(lines.put_nowait, line)
+        loop.call_soon_threadsafe(lines.put_nowait, "")
+
+    # A thread of its own that nothing waits for at exit: a read blocked on a terminal would
+    # otherwise keep Ctrl-C from ending the program until Enter was pressed.
+    threading.Thread(target=read, daemon=True, name="prompts").start()
     try:
-        while line := await asyncio.get_running_loop().run_in_executor(None, source.readline):
+        while line := await lines.get():
             if line.strip():
                 yield line.rstrip("\n")
     finally:
@@ -96,9 +109,14 @@ async def _generate(args: argparse.Namespace) -> int:
         async for prompt in _prompts(args):
             text = prompt if args.raw else tokenizer.chat_prompt(prompt)
             shown = None if args.json else TextStream(tokenizer)
-            result = await generate(stream, tokenizer.encode(text), cfg, drafter=drafter,
-                                    fingerprint=tokenizer.fingerprint, draft_model=str(directory),
-                                    on_commit=shown, connect=connect)
+            try:
+                result = await generate(stream, tokenizer.encode(text), cfg, drafter=drafter,
+                                        fingerprint=tokenizer.fingerprint, draft_model=str(directory),
+                                        on_commit=shown, connect=connect)
+            except BaseException:
+                if shown is not None and shown.printed:
+                    print(flush=True)  # end the text shown so far: the error or the prompt follows on a line of its own
+                raise
             _report(result, tokenizer, args, shown, stats_file)
     finally:
         stream.close()
@@ -195,22 +213,58 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
     g.add_argument("--stats-json", metavar="FILE", help="also write stats, text, token ids and commit times to FILE")
     g.add_argument("--timeline", action="store_true", help="record a drafting/sending/verdict timeline in --stats-json")
+    g.set_defaults(command_parser=g)  # for errors that give the command's own usage
     return p
+
+
+def check_server_list(servers: str) -> None:
+    """Raise ValueError unless every comma-separated entry is HOST:PORT with a real port: gRPC
+    takes a missing port as 443 and wraps one past 65535 around."""
+    for server in (s.strip() for s in servers.split(",")):
+        host, sep, port = server.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--server {server!r}: give HOST:PORT, with a port from 1 to 65535")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the first setting that no generation can run with."""
+    check_server_list(args.server)
+    at_least = {"--max-new-tokens": (args.max_new_tokens, 1), "--window": (args.window, 1), "--k": (args.k, 1),
+                "--threads": (args.threads, 1), "--sparse-top-k": (args.sparse_top_k, 1),
+                "--retries": (args.retries, 0), "--top-k": (args.top_k, 0), "--seed": (args.seed, 0),
+                "--branch-tokens": (args.branch_tokens, 0)}
+    for flag, (value, least) in at_least.items():
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if any(i < 0 for i in args.stop_id):
+        raise ValueError(f"--stop-id takes token ids (0 or more), got {min(args.stop_id)}")
+    if not args.stall_timeout > 0:
+        raise ValueError(f"--stall-timeout must be above 0, got {args.stall_timeout}")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ValueError("--temperature must be 0 or more, --top-p above 0 and at most 1")
+    if args.verification == "greedy" and args.temperature > 0:
+        raise ValueError("--verification greedy is for --temperature 0; sampled output takes match or sparse-q")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.prompts_file is None):
-        parser.error("give either PROMPT or --prompts-file")
+        args.command_parser.error("give either PROMPT or --prompts-file")
+    try:
+        check_args(args)
+    except ValueError as exc:
+        args.command_parser.error(str(exc))
     try:
         return asyncio.run(_generate(args))
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError, ProtocolError) as exc:  # files, the draft export, settings the server's rules refuse
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130  # as a shell reports a program ended by SIGINT
 
 
 if __name__ == "__main__":

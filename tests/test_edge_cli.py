@@ -1,0 +1,51 @@
+"""The edge's command line: settings no generation could run with are refused up front as
+one usage line, and the program ends cleanly on errors and on Ctrl-C."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from specsplit.edge.cli import main
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--server", "127.0.0.1:99999"], "give HOST:PORT, with a port from 1 to 65535"),  # gRPC would wrap it around
+    (["--server", "127.0.0.1"], "give HOST:PORT"),  # gRPC would take 443
+    (["--server", "a:1,b"], "'b': give HOST:PORT"),
+    (["--retries", "-1"], "--retries must be at least 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--seed", "-5"], "--seed must be at least 0"),
+    (["--stall-timeout", "0"], "--stall-timeout must be above 0"),
+    (["--temperature", "0.8", "--verification", "greedy"], "--verification greedy is for --temperature 0"),
+])
+def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--server", "127.0.0.1:50051", "--draft", "unused", *extra, "hello"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err
+    assert err.startswith("usage: specsplit-edge generate")  # the command's own usage
+
+
+def test_a_prompts_file_that_cannot_be_read_is_an_error_line(tiny, tmp_path, capsys) -> None:
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny.draft_dir),
+                 "--prompts-file", str(tmp_path)]) == 2
+    assert "Is a directory" in capsys.readouterr().err
+
+
+def test_ctrl_c_at_an_interactive_prompt_ends_the_program(tiny) -> None:
+    """A read of standard input blocked on a terminal must not hold the program up."""
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", "127.0.0.1:1",
+                             "--draft", str(tiny.draft_dir), "--prompts-file", "-"],
+                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(5)  # loaded, and waiting for a line that does not come
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+        stderr = proc.stderr.read() if proc.stderr else ""
+    assert code == 130 and "Traceback" not in stderr, stderr
