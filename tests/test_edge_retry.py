@@ -16,6 +16,7 @@ def _refused(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioR
 @pytest.mark.parametrize(("exc", "delay"), [
     (_refused(grpc.StatusCode.UNAVAILABLE), 0.5),
     (_refused(grpc.StatusCode.DEADLINE_EXCEEDED), 0.5),
+    (_refused(grpc.StatusCode.INTERNAL), 0.5),  # a server's end racing the edge's writes reads so
     (StreamStalled("nothing for 60 s"), 0.5),
     (ConnectionError("ended before Done"), 0.5),
     (_refused(grpc.StatusCode.RESOURCE_EXHAUSTED, ("grpc-retry-pushback-ms", "1500")), 1.5),

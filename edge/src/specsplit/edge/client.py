@@ -41,7 +41,12 @@ MODES = {"async": DraftMode.ASYNC, "sync": DraftMode.SYNC, "none": DraftMode.NON
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
 # Statuses after which the same generation is re-opened (here or on the next server); any
 # other status, only when the server says when to try again (a full server: retry_delay).
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# INTERNAL too: gRPC's Python client reports a call that its server ends while the client is
+# still writing (a draining server's last streams, now and then) as INTERNAL, not as the
+# status the server sent; and a re-opened generation loses nothing, so retrying is safe. (A
+# server's own INTERNAL, a failed verification, is retried too, --retries times at most: on
+# a device with several servers the next may well serve it.)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
 # What a server answers an Open with when it takes no session at all (draining, full): the
 # same server will answer a new call alike, so a kept call that fails so moves on (_open).
 SERVER_REFUSALS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
