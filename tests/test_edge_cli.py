@@ -49,3 +49,12 @@ def test_ctrl_c_at_an_interactive_prompt_ends_the_program(tiny) -> None:
         proc.kill()
         stderr = proc.stderr.read() if proc.stderr else ""
     assert code == 130 and "Traceback" not in stderr, stderr
+
+
+def test_both_commands_say_their_version(capsys) -> None:
+    from specsplit.server.cli import main as server_main
+
+    for command, name in ((main, "specsplit-edge"), (server_main, "specsplit-server")):
+        with pytest.raises(SystemExit) as exit_:
+            command(["--version"])
+        assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"{name} 0.")

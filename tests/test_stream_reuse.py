@@ -134,7 +134,7 @@ def test_a_kept_call_that_failed_while_idle_is_replaced() -> None:
 
 
 @pytest.mark.parametrize("refusal", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
-def test_a_kept_call_refused_by_its_server_moves_to_the_next_without_asking_it_again(refusal) -> None:
+def test_a_kept_call_refused_by_its_server_moves_to_the_next_without_asking_it_again(refusal, caplog) -> None:
     """A draining (UNAVAILABLE) or full (RESOURCE_EXHAUSTED, with its pushback) server
     answers the Open on a kept call: a new call to it would be refused alike, so the
     generation goes to the stream's next server, and the first is called only once."""
@@ -152,6 +152,8 @@ def test_a_kept_call_refused_by_its_server_moves_to_the_next_without_asking_it_a
     assert (one.opened.session_id, two.opened.session_id) == ("a", "b")
     assert two.tokens == [9, 9] and two.stats.reconnects == 1
     assert (first.started, second.started) == (1, 1) and refused.cancelled
+    # The wait before the retry is said, so that a device does not look hung.
+    assert f"generation interrupted ({refusal.name}" in caplog.text and "retry 1 of 5" in caplog.text
 
 
 def test_past_the_idle_limit_the_longest_idle_stream_ends_and_its_device_carries_on(tiny, tmp_path) -> None:

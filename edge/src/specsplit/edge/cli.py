@@ -5,15 +5,15 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import sys
 import threading
 from collections.abc import AsyncIterator
+from importlib import metadata
 from pathlib import Path
 from typing import TextIO
 
 import grpc
-
-import os
 
 from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.edge.branching import MIN_CHANCE
@@ -162,6 +162,7 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('specsplit-edge')}")
     sub = p.add_subparsers(dest="command", required=True,
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
     g = sub.add_parser("generate", help="generate a completion of PROMPT (or of each line of --prompts-file)",
@@ -183,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample among this many likeliest tokens (0: all)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampled draws (the same text for the same seed)")
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
-                   help="sampled verification: match (default with temperature > 0) or sparse-q")
+                   help="greedy (the default at temperature 0); sampled: match (the default above it) or sparse-q")
     g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")
     g.add_argument("--window", type=int, default=32,
                    help="async: drafts allowed ahead of the committed point; with the adaptive window, at most this many")

@@ -11,6 +11,7 @@ a worker thread so verdicts are read and applied while it computes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,8 @@ from specsplit.protocol.messages import (
     Verdict,
     VerificationMode,
 )
+
+log = logging.getLogger(__name__)
 
 MODES = {"async": DraftMode.ASYNC, "sync": DraftMode.SYNC, "none": DraftMode.NONE}
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
@@ -482,9 +485,18 @@ async def generate(
                 committed = gen.edge.generated  # includes what earlier attempts committed
             if isinstance(via, GenerateStream):
                 via.fail_over()
+            # A retry can take seconds (backoff doubles up to 8 s): say so, or a device looks hung.
+            log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d)",
+                        _describe(exc), delay, attempt + 1, connect.retries)
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, 8.0)
     raise AssertionError("the retry loop returns or raises")
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def retry_delay(exc: Exception, backoff: float) -> float | None:
