@@ -34,6 +34,8 @@ def test_a_prompts_file_that_cannot_be_read_is_an_error_line(tiny, tmp_path, cap
     assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny.draft_dir),
                  "--prompts-file", str(tmp_path)]) == 2
     assert "Is a directory" in capsys.readouterr().err
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"), "hi"]) == 2
+    assert "nowhere does not exist" in capsys.readouterr().err
 
 
 def test_ctrl_c_at_an_interactive_prompt_ends_the_program(tiny) -> None:

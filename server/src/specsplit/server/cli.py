@@ -271,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format",
         choices=["auto", "dummy", "dummy-echo"],
         default="auto",
-        help="for benchmarks and load tests, random weights from the target's config.json (meaningless text): "
+        help="auto (default): the target's own weights. For benchmarks and load tests, random weights from the "
+        "target's config.json (meaningless text): "
         "dummy as initialised; dummy-echo with every layer's output projections zeroed and the input embeddings "
         "as output head, so that the greedy output (the last prompt token, repeated) is the same in any batch",
     )
