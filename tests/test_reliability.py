@@ -218,6 +218,7 @@ def test_sigterm_drains_and_devices_move_on(tiny, server, tmp_path) -> None:
             assert before.tokens == after.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens)
             assert (before.stats.reconnects, after.stats.reconnects) == (0, 1)
             assert proc.wait(timeout=30) == 0
+            assert "sessions still open after the grace: 1" in (tmp_path / "s.log").read_text()  # the held one
         finally:
             held.close()
 

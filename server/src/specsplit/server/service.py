@@ -303,6 +303,9 @@ async def serve(
         deadline = loop.time() + cfg.grace_s
         while worker.sessions and loop.time() < deadline and not worker_task.done():  # none ends without it
             await asyncio.sleep(0.1)
+        if worker.sessions:
+            log.warning("sessions still open after the grace: %d; ending them (their edges re-open elsewhere)",
+                        len(worker.sessions))
         await asyncio.gather(*(server.stop(1.0) for server in servers))
         service.trimmer.cancel()
         worker_task.cancel()
