@@ -403,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     logging.getLogger("specsplit").setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # while loading, say: serving itself drains on SIGINT and returns
+        return 130
 
 
 if __name__ == "__main__":
