@@ -56,3 +56,11 @@ def test_the_rate_is_what_was_committed_over_the_window(steps) -> None:
     start = max([t for t, _ in commits if t <= now - PACE_WINDOW_S], default=0.0)
     expected = sum(n for t, n in commits if t > start) / (now - start)
     assert rate == pytest.approx(expected)
+
+
+def test_a_long_lived_log_keeps_only_its_window() -> None:
+    log = PaceLog(0.0)
+    for i in range(1, 100_001):  # 20 commits a second for well over an hour, never asked its rate
+        log.commit(i / 20, 1)
+    assert len(log._points) <= PACE_WINDOW_S * 20 + 2
+    assert log.rate(100_000 / 20) == pytest.approx(20.0)

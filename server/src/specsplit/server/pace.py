@@ -28,11 +28,16 @@ class PaceLog:
     def commit(self, now: float, tokens: int) -> None:
         self._total += tokens
         self._points.append((now, self._total))
+        self._trim(now)  # a device served alone is never asked its rate, and may stream for hours
+
+    def _trim(self, now: float) -> None:
+        """Forget what lies wholly before the window: the last point at or before its start stays."""
+        while len(self._points) > 1 and self._points[1][0] <= now - PACE_WINDOW_S:
+            self._points.popleft()
 
     def rate(self, now: float) -> float | None:
         """Tokens/s committed over the last PACE_WINDOW_S; None while the log is younger than that."""
-        while len(self._points) > 1 and self._points[1][0] <= now - PACE_WINDOW_S:
-            self._points.popleft()
+        self._trim(now)
         since, committed = self._points[0]
         if since > now - PACE_WINDOW_S:
             return None
