@@ -9,13 +9,15 @@ import time
 
 import pytest
 
-from specsplit.edge.cli import main
+from specsplit.edge.cli import check_server_list, main
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--server", "127.0.0.1:99999"], "give HOST:PORT, with a port from 1 to 65535"),  # gRPC would wrap it around
+    (["--server", "127.0.0.1:99999"], "with a port from 1 to 65535"),  # gRPC would wrap it around
     (["--server", "127.0.0.1"], "give HOST:PORT"),  # gRPC would take 443
     (["--server", "a:1,b"], "'b': give HOST:PORT"),
+    (["--server", "::1"], "give HOST:PORT ([IPV6]:PORT)"),  # gRPC would read an address on 443
+    (["--server", "127.0.0.1:５０"], "give HOST:PORT"),  # digits, but not ones a port is written in
     (["--retries", "-1"], "--retries must be at least 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--seed", "-5"], "--seed must be at least 0"),
@@ -28,6 +30,11 @@ def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err
     assert err.startswith("usage: specsplit-edge generate")  # the command's own usage
+
+
+@pytest.mark.parametrize("servers", ["[::1]:50051", "unix:/run/specsplit.sock", "a:1,b:2,", "h:65535"])
+def test_server_lists_grpc_can_dial_are_taken(servers) -> None:
+    check_server_list(servers)
 
 
 def test_a_prompts_file_that_cannot_be_read_is_an_error_line(tiny, tmp_path, capsys) -> None:

@@ -3,6 +3,7 @@ socket, and sessions served through any of them are as lossless as through one."
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import psutil
@@ -77,3 +78,19 @@ def test_a_port_another_server_listens_on_is_refused_not_shared() -> None:
 def test_a_port_out_of_range_is_refused(port: int) -> None:
     with pytest.raises(OSError, match="out of range"):
         check_port_free("127.0.0.1", port)
+
+
+def test_ipv6_hosts_are_probed_as_grpc_writes_them() -> None:
+    """gRPC takes IPv6 addresses in brackets ([::1]:PORT); the probe must too."""
+    with pytest.raises(OSError, match=r"cannot bind \[1::2\]:5: no address of 1::2 is on this machine"):
+        check_port_free("[1::2]", 5)
+    try:
+        listener = socket.socket(socket.AF_INET6)
+        listener.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with listener:
+        port = listener.getsockname()[1]
+        listener.listen()
+        with pytest.raises(OSError, match=rf"\[::1\]:{port} is already in use"):
+            check_port_free("[::1]", port)

@@ -72,11 +72,9 @@ def _process_spread(points: list[dict]) -> list[str]:
             continue
         speeds = [q["tok_s_mean"] for q in procs]
         shares = [q["generating_share"] for q in procs if q["generating_share"] is not None]
-        itl = [q["itl_ms"]["p50"] for q in procs if q["itl_ms"]]
         lines.append(f"- {p['sessions']} sessions, by load-generator process: session tok/s means {min(speeds):.1f} to "
                      f"{max(speeds):.1f}" + (f", share of their time in generations {min(shares):.2f} to {max(shares):.2f}"
-                                             if shares else "")
-                     + (f", ITL p50 {min(itl):.1f} to {max(itl):.1f} ms" if itl else ""))
+                                             if shares else ""))
     return [*lines, ""] if lines else []
 
 

@@ -42,25 +42,27 @@ def generating_share(records: list[GenerationRecord]) -> float | None:
 
 def by_process(sessions: list[SessionLog], procs: int) -> list[dict]:
     """The sessions of each load-generator process (dealt round robin: session i to process
-    i mod procs), side by side. Server-only GPU points showed every session of a process at
-    one speed and the processes apart by up to a sixth: whether a process's sessions spend
-    less of their time in generations (gaps between them) or decode slower while in them (their
-    tokens reach them later) says more of where that lies."""
+    i mod procs), side by side; processes left without a session are left out. Server-only
+    GPU points showed every session of a process at one speed and the processes apart by up
+    to a sixth (the server's pacing, docs/capacity.md). Only what ran under the point's load
+    is compared: the generations that run on past the deadline, with ever fewer sessions,
+    are quicker, and a process whose sessions started one more of them would look quicker
+    in anything pooled over whole generations."""
     out = []
     for proc in range(procs):
         mine = [s for s in sessions if s.index % procs == proc]
+        if not mine:
+            continue
         records = [r for s in mine for r in s.records]
         shares = [share for s in mine if (share := generating_share(s.records)) is not None]
         speeds = session_speeds(mine)
         out.append({
             "process": proc,
             "sessions": len(mine),
-            "tok_s_min": min(speeds, default=0.0),
-            "tok_s_mean": float(np.mean(speeds)) if speeds else 0.0,
-            "tok_s_whole_mean": float(np.mean([s.tokens_per_s for s in mine])) if mine else 0.0,
+            "tok_s_min": min(speeds),
+            "tok_s_mean": float(np.mean(speeds)),
             "generating_share": float(np.mean(shares)) if shares else None,
             "ttft_ms": percentiles([r.ttft_s * 1000 for r in records if r.ttft_s is not None]),
-            "itl_ms": _pooled(mine, "itl_ms"),
         })
     return out
 

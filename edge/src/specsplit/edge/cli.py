@@ -9,13 +9,12 @@ import os
 import sys
 import threading
 from collections.abc import AsyncIterator
-from importlib import metadata
 from pathlib import Path
 from typing import TextIO
 
 import grpc
 
-from specsplit.common.help_format import DefaultsHelpFormatter
+from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
@@ -63,21 +62,29 @@ async def _prompts(args: argparse.Namespace) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     lines: asyncio.Queue[str] = asyncio.Queue()
 
-    def read() -> None:
-        while line := source.readline():
+    def hand(line: str) -> None:
+        try:
             loop.call_soon_threadsafe(lines.put_nowait, line)
-        loop.call_soon_threadsafe(lines.put_nowait, "")
+        except RuntimeError:  # the program has ended meanwhile
+            pass
+
+    def read() -> None:
+        # The thread owns the file: closed from the loop's side, a close would wait for a
+        # read blocked on a pipe that nobody writes to.
+        try:
+            while line := source.readline():
+                hand(line)
+        finally:
+            if source is not sys.stdin:
+                source.close()
+            hand("")
 
     # A thread of its own that nothing waits for at exit: a read blocked on a terminal would
     # otherwise keep Ctrl-C from ending the program until Enter was pressed.
     threading.Thread(target=read, daemon=True, name="prompts").start()
-    try:
-        while line := await lines.get():
-            if line.strip():
-                yield line.rstrip("\n")
-    finally:
-        if source is not sys.stdin:
-            source.close()
+    while line := await lines.get():
+        if line.strip():
+            yield line.rstrip("\n")
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -162,7 +169,7 @@ def connect_options(args: argparse.Namespace) -> ConnectOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specsplit-edge", description=__doc__)
-    p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('specsplit-edge')}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {installed_version('specsplit-edge')}")
     sub = p.add_subparsers(dest="command", required=True,
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
     g = sub.add_parser("generate", help="generate a completion of PROMPT (or of each line of --prompts-file)",
@@ -219,19 +226,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_server_list(servers: str) -> None:
-    """Raise ValueError unless every comma-separated entry is HOST:PORT with a real port: gRPC
-    takes a missing port as 443 and wraps one past 65535 around."""
-    for server in (s.strip() for s in servers.split(",")):
+    """Raise ValueError unless every comma-separated entry is HOST:PORT with a real port (IPv6
+    hosts in brackets) or a unix: socket: gRPC takes a missing port as 443 and wraps one past
+    65535 around."""
+    for server in (s.strip() for s in servers.split(",") if s.strip()):
+        if server.startswith(("unix:", "unix-abstract:")):
+            continue
         host, sep, port = server.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(f"--server {server!r}: give HOST:PORT, with a port from 1 to 65535")
+        bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
+        if not sep or not host or bare_ipv6 or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--server {server!r}: give HOST:PORT ([IPV6]:PORT), with a port from 1 to 65535")
+    if not servers.strip(" ,"):
+        raise ValueError("--server: give HOST:PORT")
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first setting that no generation can run with."""
     check_server_list(args.server)
     at_least = {"--max-new-tokens": (args.max_new_tokens, 1), "--window": (args.window, 1), "--k": (args.k, 1),
-                "--threads": (args.threads, 1), "--sparse-top-k": (args.sparse_top_k, 1),
+                "--threads": (args.threads, 0), "--sparse-top-k": (args.sparse_top_k, 1),
                 "--retries": (args.retries, 0), "--top-k": (args.top_k, 0), "--seed": (args.seed, 0),
                 "--branch-tokens": (args.branch_tokens, 0)}
     for flag, (value, least) in at_least.items():
@@ -260,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_generate(args))
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ConnectionError as exc:  # the stream ended before its Done, retries spent (an OSError: caught first)
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     except (OSError, ValueError, ProtocolError) as exc:  # files, the draft export, settings the server's rules refuse
         print(f"error: {exc}", file=sys.stderr)

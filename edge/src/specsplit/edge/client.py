@@ -46,9 +46,9 @@ GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
 # other status, only when the server says when to try again (a full server: retry_delay).
 # INTERNAL too: gRPC's Python client reports a call that its server ends while the client is
 # still writing (a draining server's last streams, now and then) as INTERNAL, not as the
-# status the server sent; and a re-opened generation loses nothing, so retrying is safe. (A
-# server's own INTERNAL, a failed verification, is retried too, --retries times at most: on
-# a device with several servers the next may well serve it.)
+# status the server sent; and a re-opened generation loses nothing, so retrying is safe. A
+# server's own INTERNAL (its target failed the session's verification: errors.VERIFICATION_FAILED)
+# is not retried: it would most likely fail again, after every backoff.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
 # What a server answers an Open with when it takes no session at all (draining, full): the
 # same server will answer a new call alike, so a kept call that fails so moves on (_open).
@@ -503,7 +503,11 @@ def retry_delay(exc: Exception, backoff: float) -> float | None:
     """How long to wait before re-opening after `exc`, or None if that would not help: a lost
     stream or server waits the backoff; a refusal that carries the server's pushback (a full
     server) waits at least that long."""
-    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in RETRYABLE:
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return backoff
+    if exc.code() == grpc.StatusCode.INTERNAL and (exc.details() or "").startswith(errors.VERIFICATION_FAILED):
+        return None
+    if exc.code() in RETRYABLE:
         return backoff
     pushback = (exc.trailing_metadata() or grpc.aio.Metadata()).get(errors.PUSHBACK_METADATA)
     if pushback is None:

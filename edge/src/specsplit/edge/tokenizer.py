@@ -18,7 +18,8 @@ class EdgeTokenizer:
     def __init__(self, directory: Path) -> None:
         path = directory / "tokenizer.json"
         if not directory.is_dir():
-            raise FileNotFoundError(f"{directory} does not exist (a draft export directory: specsplit-server export-draft)")
+            what = "is not a directory" if directory.exists() else "does not exist"
+            raise FileNotFoundError(f"{directory} {what} (a draft export directory: specsplit-server export-draft)")
         if not path.is_file():
             raise FileNotFoundError(f"{directory} has no tokenizer.json")
         self._tok = Tokenizer.from_file(str(path))

@@ -8,10 +8,9 @@ import gc
 import logging
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
-from specsplit.common.help_format import DefaultsHelpFormatter
+from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 
 # Not __name__: under `python -m` that is __main__, outside the "specsplit" logger whose level main() sets.
 log = logging.getLogger("specsplit.server.cli")
@@ -214,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specsplit.server.models import DEFAULT_PAIR, PAIRS  # light: the pairs' file lists
 
     p = argparse.ArgumentParser(prog="specsplit-server", description=__doc__)
-    p.add_argument("--version", action="version", version=f"%(prog)s {metadata.version('specsplit-server')}")
+    p.add_argument("--version", action="version", version=f"%(prog)s {installed_version('specsplit-server')}")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     # Also accepted after the command (`serve -v`), where users put it; SUPPRESS keeps the
     # command's parser from resetting a -v given before the command. The top level keeps its

@@ -22,26 +22,35 @@ def check_listeners(count: int) -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raise OSError if something already listens on host:port (or it cannot be bound there
-    at all). Port 0 (any free one) is always free."""
+    """Raise OSError if something already listens on host:port, or no address of `host` can
+    be bound there. Port 0 (any free one) is always free. Like gRPC, a host name whose
+    addresses cannot all be bound (localhost's ::1 where IPv6 is off) is served on those that
+    can. Two servers starting at the same instant can still both pass before either binds."""
+    bare = host.strip("[]")  # gRPC writes IPv6 addresses in brackets, getaddrinfo without
+    where = f"[{bare}]:{port}" if ":" in bare else f"{host}:{port}"
     if not 0 <= port <= 65535:
         raise OSError(f"port {port} is out of range (0 to 65535)")
     if port == 0:
         return
     try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+        raise OSError(f"cannot bind {where}: {exc.strerror}") from None
+    bound = 0
     for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            # As gRPC binds: ports whose old connections linger in TIME_WAIT are free.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                # As gRPC binds: ports whose old connections linger in TIME_WAIT are free.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise OSError(f"{host}:{port} is already in use (another server?)") from None
-                raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+                bound += 1
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(f"{where} is already in use (another server?)") from None
+            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                raise OSError(f"cannot bind {where}: {exc.strerror}") from None
+    if not bound:
+        raise OSError(f"cannot bind {where}: no address of {bare} is on this machine")
 
 
 def bind_listeners(count: int, host: str, port: int, register: Callable[[grpc.aio.Server], None],

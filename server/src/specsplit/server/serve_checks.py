@@ -40,9 +40,9 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--tls-cert and --tls-key go together (and --tls-client-ca needs both)")
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
                        ("--tls-client-ca", args.tls_client_ca), ("--tokens-file", args.tokens_file)):
-        if path is not None and not Path(path).is_file():
+        if path is not None and (not Path(path).exists() or Path(path).is_dir()):
             raise OSError(f"{flag} {path}: no such file")
-    if args.tokens_file is not None:
+    if args.tokens_file is not None and Path(args.tokens_file).is_file():  # a pipe could be read only once
         load_tokens(Path(args.tokens_file))  # its own errors name the line
     check_port_free(args.host, args.port)
     if args.metrics_port is not None:

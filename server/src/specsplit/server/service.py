@@ -188,7 +188,7 @@ class SpecSplitService:
                 if isinstance(item, Exception):
                     reason = "error"
                     self.metrics.errors.labels("INTERNAL").inc()
-                    await context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {item}")
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{errors.VERIFICATION_FAILED}: {item}")
                 if isinstance(item, Opened):
                     session = item.session_id
                     self.metrics.sessions_active.inc()

@@ -1,7 +1,16 @@
-"""Command-line help that shows each option's default."""
+"""Command-line help that shows each option's default, and the version `--version` gives."""
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
+
+
+def installed_version(distribution: str) -> str:
+    """The installed version of `distribution`; run from a source tree (PYTHONPATH) there is none."""
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "(not installed: run from source)"
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
