@@ -23,6 +23,7 @@ from specsplit.edge.cli import check_server_list, main
     (["--seed", "-5"], "--seed must be at least 0"),
     (["--stall-timeout", "0"], "--stall-timeout must be above 0"),
     (["--temperature", "0.8", "--verification", "greedy"], "--verification greedy is for --temperature 0"),
+    (["--verification", "sparse-q"], "give --temperature above 0"),  # it would run greedy without a word
 ])
 def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -6,6 +6,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
+from specsplit.common.export_meta import DraftExportMeta
 from specsplit.server import export as export_mod
 from specsplit.server.export import ExportParityError, check_replaceable, export_draft, parity_check
 from specsplit.server.loading import load_model
@@ -34,6 +35,7 @@ def test_good_export_passes_parity_with_kv(tiny) -> None:
     loaded = load_model(str(tiny.target_dir), attn="eager")
     report = parity_check(loaded, tiny.same_dir / "model.onnx")
     assert report.max_abs_diff <= export_mod.DEFAULT_TOLERANCE and report.top1_agreement == 1.0
+    assert DraftExportMeta.load(tiny.same_dir).weights == "fp32"  # not quantized: said so in reports
 
 
 def test_int8_export_scales_each_output_channel(tiny, tmp_path) -> None:

@@ -258,6 +258,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--temperature must be 0 or more, --top-p above 0 and at most 1")
     if args.verification == "greedy" and args.temperature > 0:
         raise ValueError("--verification greedy is for --temperature 0; sampled output takes match or sparse-q")
+    if args.verification in ("match", "sparse-q") and args.temperature == 0:
+        raise ValueError(f"--verification {args.verification} verifies sampled output: give --temperature above 0")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,7 +183,7 @@ def _models(args: argparse.Namespace) -> int:
         except (MissingWeights, OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        result = {"target": str(pair.target_dir), "draft": str(pair.draft_dir)}
+        result = {"target": str(pair.target_dir.resolve()), "draft": str(pair.draft_dir.resolve())}
     if args.json:
         print(json.dumps(result))
     else:

@@ -332,6 +332,9 @@ def prepare(
         raise KeyError(f"unknown model pair {pair!r}; known: {', '.join(PAIRS)}")
     _check_local(target_source, "--target")
     _check_local(draft_source, "--draft")
+    # A path given with ~ names the same file here as in the check above.
+    target_source, draft_source = (None if src is None else str(Path(src).expanduser()) if src.startswith("~") else src
+                                   for src in (target_source, draft_source))
     root = root or cache_dir()
     draft_spec, target_spec = PAIRS[pair]
     if target_source is None:

@@ -27,7 +27,9 @@ class DraftExportMeta:
 
     @property
     def weights(self) -> str:
-        """How the weights are stored, for reports: `none`, `int8 per-channel`, `int4 blocks of 32, ...`."""
+        """How the weights are stored, for reports: `fp32`, `int8 per-channel`, `int4 blocks of 32, ...`."""
+        if self.quantization == "none":
+            return "fp32"
         scheme = self.extra.get(f"{self.quantization}_scheme")
         return f"{self.quantization} {scheme}" if scheme else self.quantization
 
