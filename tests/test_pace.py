@@ -1,10 +1,18 @@
 """A device's pace for SLO-aware batching: kept across the generations of its stream."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
+import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import free_port
+from specsplit.edge.client import EdgeConfig, generate
+from specsplit.edge.stream import GenerateStream
+from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.server.pace import PACE_WINDOW_S, RESUME_WITHIN_S, PaceLog
 
 
@@ -64,3 +72,42 @@ def test_a_long_lived_log_keeps_only_its_window() -> None:
         log.commit(i / 20, 1)
     assert len(log._points) <= PACE_WINDOW_S * 20 + 2
     assert log.rate(100_000 / 20) == pytest.approx(20.0)
+
+
+def test_a_streams_generations_share_one_pace_and_another_call_starts_its_own(tiny, monkeypatch) -> None:
+    """Through a real server: the second generation on a kept stream, opened at once, runs on
+    the first one's pace log; a generation on a call of its own gets a new one."""
+    from specsplit.server.engine import TargetEngine
+    from specsplit.server.loading import load_model
+    from specsplit.server.scheduler import SchedulerConfig, VerificationWorker
+    from specsplit.server.service import ServeConfig, serve
+
+    handles = []
+    add = VerificationWorker.add
+
+    def recording(self, handle) -> None:  # type: ignore[no-untyped-def]
+        handles.append(handle)
+        add(self, handle)
+
+    monkeypatch.setattr(VerificationWorker, "add", recording)
+    engine = TargetEngine(load_model(str(tiny.target_dir)))
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids, cfg, port = tok.encode("def add(a, b):"), EdgeConfig(mode="none", max_new_tokens=4), free_port()
+
+    async def main() -> None:
+        ready = asyncio.Event()
+        server = asyncio.create_task(serve(engine, SchedulerConfig(pace_tokens_per_s=20.0),
+                                           ServeConfig(port=port, grace_s=0.1), ready))
+        await ready.wait()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            kept = GenerateStream.on(channel)
+            for via in (kept, kept, channel):
+                await generate(via, ids, cfg, fingerprint=tok.fingerprint)
+            kept.close()
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+
+    asyncio.run(main())
+    first, second, own_call = handles
+    assert second.pace is first.pace and own_call.pace is not first.pace
