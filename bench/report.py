@@ -169,8 +169,11 @@ def render_markdown(result: dict) -> str:
                              f"{_fmt(plain['speedup_vs_none'])}x none, "
                              f"{plain['tokens_per_s'] / best['tokens_per_s']:.2f}x {best['mode']}")
             if any("branches_taken" in r for r in result["runs"]):  # runs from before branches lack it
-                lines.append(f"- async's rejections: {by['async']['rejections']}, after {by['async']['branches_taken']} "
-                             "of which the edge carried on along the branch it had drafted there")
+                # Not a part of the rejections: a pass that accepts every draft it verified still
+                # parts from the edge's later drafts where its bonus token differs from them.
+                lines.append(f"- async's rejections: {by['async']['rejections']}; verdicts that parted from the edge's "
+                             f"drafts where it had a branch from their token, which it carried on along: "
+                             f"{by['async']['branches_taken']} (at a rejection, or past the drafts a pass verified)")
     runs = [r for r in result["runs"] if r["mode"] == "async" and r.get("timeline")]
     if runs:
         pick = next((r for r in runs if r["rtt_ms"] == 50), runs[0])
