@@ -88,7 +88,7 @@ class GenerationRecord:
     acceptance: Acceptance
     drafts_made: int
     drafts_wasted: int
-    branches_taken: int = 0  # rejections after which the edge carried on along its branch
+    branches_taken: int = 0  # verdicts after which the edge carried on along a branch it had drafted
     opened_s: float | None = None  # of the TTFT, the wait for the server's Opened
     started_at: float = 0.0  # time.monotonic() at its start
 

@@ -105,7 +105,7 @@ async def _generate(args: argparse.Namespace) -> int:
         stop_ids=tuple(args.stop_id),
         timeline=args.timeline,
     )
-    servers = [s.strip() for s in args.server.split(",") if s.strip()]
+    servers = server_list(args.server)
     connect = connect_options(args)
     stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
     # Every prompt's generation on one kept stream (a new Open after each Done, no new call),
@@ -225,24 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_server_list(servers: str) -> None:
-    """Raise ValueError unless every comma-separated entry is HOST:PORT with a real port (IPv6
-    hosts in brackets) or a unix: socket: gRPC takes a missing port as 443 and wraps one past
-    65535 around."""
-    for server in (s.strip() for s in servers.split(",") if s.strip()):
+def server_list(servers: str) -> list[str]:
+    """The comma-separated --server entries; ValueError unless each is HOST:PORT with a real
+    port (IPv6 hosts in brackets) or a unix: socket: gRPC takes a missing port as 443 and
+    wraps one past 65535 around."""
+    entries = [s.strip() for s in servers.split(",") if s.strip()]
+    if not entries:
+        raise ValueError("--server: give HOST:PORT")
+    for server in entries:
         if server.startswith(("unix:", "unix-abstract:")):
             continue
         host, sep, port = server.rpartition(":")
         bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
         if not sep or not host or bare_ipv6 or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
             raise ValueError(f"--server {server!r}: give HOST:PORT ([IPV6]:PORT), with a port from 1 to 65535")
-    if not servers.strip(" ,"):
-        raise ValueError("--server: give HOST:PORT")
+    return entries
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first setting that no generation can run with."""
-    check_server_list(args.server)
+    server_list(args.server)
     at_least = {"--max-new-tokens": (args.max_new_tokens, 1), "--window": (args.window, 1), "--k": (args.k, 1),
                 "--threads": (args.threads, 0), "--sparse-top-k": (args.sparse_top_k, 1),
                 "--retries": (args.retries, 0), "--top-k": (args.top_k, 0), "--seed": (args.seed, 0),

@@ -213,11 +213,16 @@ def pull_one(spec: ChunkedGGUF, root: Path) -> Path:
     return dest
 
 
-def pull(pair: str = DEFAULT_PAIR, root: Path | None = None) -> dict[str, Path]:
+def _specs(pair: str) -> tuple[ChunkedGGUF, ChunkedGGUF]:
+    """The pair's (draft, target) files."""
     if pair not in PAIRS:
         raise KeyError(f"unknown model pair {pair!r}; known: {', '.join(PAIRS)}")
+    return PAIRS[pair]
+
+
+def pull(pair: str = DEFAULT_PAIR, root: Path | None = None) -> dict[str, Path]:
     root = root or cache_dir()
-    return {spec.role: pull_one(spec, root) for spec in PAIRS[pair]}
+    return {spec.role: pull_one(spec, root) for spec in _specs(pair)}
 
 
 @dataclass(frozen=True)
@@ -296,13 +301,16 @@ def _prepared_name(source: str) -> str:
     return f"{p.stem if p.suffix == '.gguf' else p.name}-{tag}"
 
 
-def _check_local(source: str | None, flag: str) -> None:
-    """A source written as a path (absolute, relative with ./, ~, or a .gguf file) must exist:
-    found missing only after pulling the default pair, it cost a 1.6 GB download first."""
-    if source is None or Path(source).expanduser().exists():
-        return
-    if source.startswith(("/", ".", "~")) or source.endswith(".gguf"):
+def _given_source(source: str | None, flag: str) -> str | None:
+    """A --target or --draft as prepare uses it (~ expanded). One written as a path (absolute,
+    relative with ./, ~, or a .gguf file) must exist: found missing only after pulling the
+    default pair, it cost a 1.6 GB download first."""
+    if source is None:
+        return None
+    path = Path(source).expanduser()
+    if not path.exists() and (source.startswith(("/", ".", "~")) or source.endswith(".gguf")):
         raise FileNotFoundError(f"{flag} {source} does not exist")
+    return str(path) if source.startswith("~") else source
 
 
 def check_same_tokenizer(target: Path, draft: Path) -> None:
@@ -328,15 +336,10 @@ def prepare(
     draft_quantize: str = DRAFT_QUANTIZATION,
 ) -> PreparedPair:
     """Prepared target and draft; sources default to the pair's GGUF files (only those pulled)."""
-    if pair not in PAIRS:
-        raise KeyError(f"unknown model pair {pair!r}; known: {', '.join(PAIRS)}")
-    _check_local(target_source, "--target")
-    _check_local(draft_source, "--draft")
-    # A path given with ~ names the same file here as in the check above.
-    target_source, draft_source = (None if src is None else str(Path(src).expanduser()) if src.startswith("~") else src
-                                   for src in (target_source, draft_source))
+    draft_spec, target_spec = _specs(pair)
+    target_source = _given_source(target_source, "--target")
+    draft_source = _given_source(draft_source, "--draft")
     root = root or cache_dir()
-    draft_spec, target_spec = PAIRS[pair]
     if target_source is None:
         target = prepare_target(pull_one(target_spec, root), root / "prepared" / f"{target_spec.name}-bf16")
     elif Path(target_source).is_dir():

@@ -43,11 +43,8 @@ class PaceLog:
             return None
         return (self._total - committed) / (now - since)
 
-    def resumes(self, now: float) -> bool:
-        """Whether a generation opening now continues this log (see RESUME_WITHIN_S)."""
-        return now - self._points[-1][0] <= RESUME_WITHIN_S
-
     @classmethod
     def for_next(cls, last: PaceLog | None, now: float) -> PaceLog:
-        """The log of a stream's generation opening now, `last` being its previous one's."""
-        return last if last is not None and last.resumes(now) else cls(now)
+        """The log of a stream's generation opening now, `last` being its previous one's: that
+        one again if its last commit was at most RESUME_WITHIN_S ago."""
+        return last if last is not None and now - last._points[-1][0] <= RESUME_WITHIN_S else cls(now)

@@ -266,13 +266,13 @@ class StaticEngine:
 
     @torch.inference_mode()
     def capture_graphs(self, max_sessions: int, max_tokens: int,
-                       progress: Callable[[int, int], None] | None = None) -> int:
+                       progress: Callable[[int, int], None] | None = None) -> None:
         """Capture, before serving, the graph of every pass shape the scheduler's limits allow
         (pass_shapes, at every KV bucket), so that no session waits behind a capture (each
-        costs a couple of eager passes). `progress` is told (captured, of) after each. Returns
-        how many were captured; without graphs, none."""
+        costs a couple of eager passes). `progress` is told (captured, of) after each. Without
+        graphs, nothing."""
         if not self.graphs:
-            return 0
+            return
         # Rows, not sessions: a feed split over rows (VerifyItem.pieces) takes several of one slot.
         shapes = pass_shapes(max_sessions, max_tokens)
         # The largest first sizes the logits buffer (and the pool).
@@ -282,7 +282,6 @@ class StaticEngine:
             self._capture(b, f, kv_len)
             if progress is not None:
                 progress(done, len(order))
-        return len(order)
 
     def _capture(self, b: int, f: int, kv_len: int) -> None:
         if (b, f, kv_len) in self._captured:
