@@ -24,6 +24,8 @@ from specsplit.edge.cli import main, server_list
     (["--stall-timeout", "0"], "--stall-timeout must be above 0"),
     (["--temperature", "0.8", "--verification", "greedy"], "--verification greedy is for --temperature 0"),
     (["--verification", "sparse-q"], "give --temperature above 0"),  # it would run greedy without a word
+    (["--temperature", "-1"], "temperature must be in [0, 100]"),
+    (["--top-k", "-1"], "top_k must be >= 0"),
 ])
 def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -31,6 +33,14 @@ def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err
     assert err.startswith("usage: specsplit-edge generate")  # the command's own usage
+
+
+def test_top_p_zero_is_taken_as_the_protocol_takes_it() -> None:
+    """0, like 1, turns nucleus sampling off (SamplingParams); the checks must not refuse it."""
+    from specsplit.edge.cli import build_parser, check_args
+
+    check_args(build_parser().parse_args(["generate", "--server", "h:1", "--draft", "d", "--temperature", "0.7",
+                                          "--top-p", "0", "hi"]))
 
 
 @pytest.mark.parametrize("servers", ["[::1]:50051", "unix:/run/specsplit.sock", "a:1,b:2,", "h:65535"])

@@ -247,7 +247,7 @@ def check_args(args: argparse.Namespace) -> None:
     server_list(args.server)
     at_least = {"--max-new-tokens": (args.max_new_tokens, 1), "--window": (args.window, 1), "--k": (args.k, 1),
                 "--threads": (args.threads, 0), "--sparse-top-k": (args.sparse_top_k, 1),
-                "--retries": (args.retries, 0), "--top-k": (args.top_k, 0), "--seed": (args.seed, 0),
+                "--retries": (args.retries, 0), "--seed": (args.seed, 0),
                 "--branch-tokens": (args.branch_tokens, 0)}
     for flag, (value, least) in at_least.items():
         if value < least:
@@ -256,8 +256,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--stop-id takes token ids (0 or more), got {min(args.stop_id)}")
     if not args.stall_timeout > 0:
         raise ValueError(f"--stall-timeout must be above 0, got {args.stall_timeout}")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise ValueError("--temperature must be 0 or more, --top-p above 0 and at most 1")
+    try:  # the server's own rules for them, checked here before anything is loaded
+        SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
+    except ProtocolError as exc:
+        raise ValueError(exc.message) from None
     if args.verification == "greedy" and args.temperature > 0:
         raise ValueError("--verification greedy is for --temperature 0; sampled output takes match or sparse-q")
     if args.verification in ("match", "sparse-q") and args.temperature == 0:
