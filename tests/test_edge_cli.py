@@ -78,3 +78,32 @@ def test_both_commands_say_their_version(capsys) -> None:
         with pytest.raises(SystemExit) as exit_:
             command(["--version"])
         assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"{name} 0.")
+
+
+class _Chars:
+    """A tokenizer whose tokens are character codes."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+@pytest.mark.parametrize("shares_terminal", [True, False])
+def test_a_warning_while_text_streams_lands_on_a_line_of_its_own_only_on_a_shared_terminal(
+        shares_terminal, capsys) -> None:
+    import io
+    import logging
+
+    from specsplit.edge.cli import LogBesideText, TextStream
+
+    out = io.StringIO()
+    shown = TextStream(_Chars(), out)  # type: ignore[arg-type]
+    handler = LogBesideText(shares_terminal)
+    handler.shown = shown
+    shown([ord(c) for c in "Hello"])
+    handler.handle(logging.makeLogRecord({"msg": "retrying", "levelno": logging.WARNING}))
+    shown([ord(c) for c in "Hello world\n"])
+    handler.handle(logging.makeLogRecord({"msg": "again", "levelno": logging.WARNING}))
+    # Text going to a file or a pipe is never touched; on one terminal the open line is ended,
+    # once, and a line already ended is left alone.
+    assert out.getvalue() == ("Hello\n world\n" if shares_terminal else "Hello world\n")
+    assert capsys.readouterr().err == "retrying\nagain\n"

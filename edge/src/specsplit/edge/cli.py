@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import functools
 import json
+import logging
 import os
 import sys
 import threading
@@ -41,15 +42,40 @@ class TextStream:
         self.tokenizer = tokenizer
         self.out = out
         self.printed = ""
+        self.mid_line = False
 
     def __call__(self, generated: list[int]) -> None:
         text = self.tokenizer.decode(generated)
         if text.endswith("\ufffd"):
             return
-        if text.startswith(self.printed):
+        if text.startswith(self.printed) and len(text) > len(self.printed):
             self.out.write(text[len(self.printed) :])
             self.out.flush()
             self.printed = text
+            self.mid_line = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """End the line of text shown so far, if one is open."""
+        if self.mid_line:
+            self.out.write("\n")
+            self.out.flush()
+            self.mid_line = False
+
+
+class LogBesideText(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines (a retry's warning, say) go to stderr. Where stdout and stderr are one
+    terminal, the text being streamed there is ended first, so a warning never lands in the
+    middle of a sentence; text sent elsewhere (a file, a pipe) is never touched."""
+
+    def __init__(self, shares_terminal: bool) -> None:
+        super().__init__(sys.stderr)
+        self.shares_terminal = shares_terminal
+        self.shown: TextStream | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.shares_terminal and self.shown is not None:
+            self.shown.end_line()
+        super().emit(record)
 
 
 async def _prompts(args: argparse.Namespace) -> AsyncIterator[str]:
@@ -87,7 +113,7 @@ async def _prompts(args: argparse.Namespace) -> AsyncIterator[str]:
             yield line.rstrip("\n")
 
 
-async def _generate(args: argparse.Namespace) -> int:
+async def _generate(args: argparse.Namespace, log_handler: LogBesideText) -> int:
     directory = Path(args.draft)
     tokenizer = EdgeTokenizer(directory)
     drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
@@ -115,14 +141,14 @@ async def _generate(args: argparse.Namespace) -> int:
     try:
         async for prompt in _prompts(args):
             text = prompt if args.raw else tokenizer.chat_prompt(prompt)
-            shown = None if args.json else TextStream(tokenizer)
+            shown = log_handler.shown = None if args.json else TextStream(tokenizer)
             try:
                 result = await generate(stream, tokenizer.encode(text), cfg, drafter=drafter,
                                         fingerprint=tokenizer.fingerprint, draft_model=str(directory),
                                         on_commit=shown, connect=connect)
             except BaseException:
-                if shown is not None and shown.printed:
-                    print(flush=True)  # end the text shown so far: the error or the prompt follows on a line of its own
+                if shown is not None:
+                    shown.end_line()  # the error or the next prompt follows on a line of its own
                 raise
             _report(result, tokenizer, args, shown, stats_file)
     finally:
@@ -275,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
     except ValueError as exc:
         args.command_parser.error(str(exc))
+    log_handler = LogBesideText(sys.stdout.isatty() and sys.stderr.isatty())
+    logger = logging.getLogger("specsplit")
+    logger.addHandler(log_handler)
     try:
-        return asyncio.run(_generate(args))
+        return asyncio.run(_generate(args, log_handler))
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -288,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130  # as a shell reports a program ended by SIGINT
+    finally:
+        logger.removeHandler(log_handler)
 
 
 if __name__ == "__main__":
