@@ -1,9 +1,12 @@
-# One virtual environment holds the three packages; CPU torch is pinned so that a
-# fresh machine does not pull a multi-GB CUDA build.
+# One virtual environment holds the three packages. torch is pinned; which build of it
+# comes depends on the package index: where that serves the CUDA build (several GB, as
+# the ordinary index does on Linux x86-64), set TORCH_INDEX_URL to a CPU-only PyTorch
+# wheel index, as the server's Dockerfile takes it.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_CPU := torch==2.13.0
+TORCH := torch==2.13.0
+TORCH_INDEX_URL ?=
 STAMP := $(VENV)/.installed
 
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
@@ -16,7 +19,7 @@ venv: $(STAMP)
 $(STAMP): shared/pyproject.toml edge/pyproject.toml server/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install $(TORCH_CPU)
+	$(PY) -m pip install $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -e 'shared[test]' -e edge -e server
 	touch $(STAMP)
 
@@ -38,16 +41,17 @@ demo: $(STAMP)
 
 # Benchmarks over the emulated network (server and edge pinned to their own cores).
 # The full sweep (12 prompts x RTT 50/0/20/100 ms x 6 modes, plus the draft alone and HF
-# assisted generation, 64 new tokens) takes about 3 hours on 2 cores. Its result is saved
+# assisted generation, 64 new tokens) takes 1 to 3 hours on 2 cores, by the CPU. Its result is saved
 # after every run; `make bench BENCH_ARGS=--resume` measures only what a stopped sweep missed.
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(PY) bench/run_bench.py --name full --max-new-tokens 64 $(BENCH_ARGS)
 
-# A subset under 10 minutes: RTT 50 ms, 3 prompts, 96 new tokens, sync at k=4 and 6 (the best
-# two k over all 12 prompts at RTT 50 ms: bench/results/rtt50.md).
+# A subset under 10 minutes: RTT 50 ms, 3 prompts, 96 new tokens, server only, sync at k=4 and 6
+# (the best two k over all 12 prompts at RTT 50 ms: bench/results/rtt50.md), async with and
+# without branches, the draft alone; no HF.
 bench-quick: $(STAMP)
-	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 4 6 --no-hf --async-no-branches
+	$(PY) bench/run_bench.py --name quick --rtt-ms 50 --prompts 3 --max-new-tokens 96 --sync-k 4 6 --no-hf --async-no-branches $(BENCH_ARGS)
 
 # All 12 prompts at the goal's RTT (50 ms) only, every sync k, async with and without
 # branches side by side, no HF: 15 to 40 minutes.

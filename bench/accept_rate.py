@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from cli_types import core, int_list, out_dir, report_name
 from orchestrate import free_port, machine, pin
 from specsplit.server.listeners import bind_listeners
 
@@ -147,19 +148,19 @@ def render(report: dict, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--listeners", default="1,2,4,8", help="listener counts to compare, comma-separated (default 1,2,4,8)")
+    p.add_argument("--listeners", type=int_list, default="1,2,4,8", help="listener counts to compare, comma-separated (default 1,2,4,8)")
     p.add_argument("--callers", type=int, default=64, help="concurrent callers, each on its own connection (default 64)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per listener count (default 5)")
     p.add_argument("--turn-ms", type=float, default=2.0,
                    help="other work in every turn of the server's event loop, in ms (default 2)")
-    p.add_argument("--server-core", type=int, help="pin the server to this core (default: the last)")
-    p.add_argument("--client-core", type=int, help="pin the callers to this core (default: the first)")
-    p.add_argument("--name", default="accept-rate", help="writes NAME.json and NAME.md (default accept-rate)")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where (default: bench/results)")
+    p.add_argument("--server-core", type=core, help="pin the server to this core (default: the last)")
+    p.add_argument("--client-core", type=core, help="pin the callers to this core (default: the first)")
+    p.add_argument("--name", type=report_name, default="accept-rate", help="writes NAME.json and NAME.md (default accept-rate)")
+    p.add_argument("--out-dir", type=out_dir, default=RESULTS, help="where (default: bench/results)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process itself
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    listeners = tuple(int(x) for x in args.listeners.split(",") if x)
+    listeners = args.listeners
     if args.serve:
         asyncio.run(_serve(listeners[0], args.port, args.turn_ms / 1000))
         return 0

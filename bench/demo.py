@@ -12,9 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from cli_types import at_least, core
 from orchestrate import run_edge, running_server
 
 from specsplit.common.export_meta import DraftExportMeta
+from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.server import models
 from specsplit.server.loading import resolve_dtype
 
@@ -43,12 +45,12 @@ def problems(split: dict, alone: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--server-core", type=int, default=1)
-    p.add_argument("--edge-core", type=int, default=0)
-    p.add_argument("--window", type=int, default=32, help="most drafts ahead (the edge sizes its lookahead up to it)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    p.add_argument("--server-core", type=core, default=1, help="where two or more cores are available")
+    p.add_argument("--edge-core", type=core, default=0, help="where two or more cores are available")
+    p.add_argument("--window", type=at_least(1), default=32, help="most drafts ahead (the edge sizes its lookahead up to it)")
     p.add_argument("--log", default="demo-server.log", help="server log file")
     args = p.parse_args(argv)
 

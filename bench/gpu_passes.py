@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cli_types import int_list, out_dir, report_name
 from loadtest.machine import machine_info
 from loadtest.prompts import load_prompts
 from loadtest.rerun import rerun_command
@@ -221,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", action="append", choices=[*ARCHS, "tiny"], help="repeatable (default: qwen2-1.5b and qwen2-7b)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--batches", default="1,8,32,64")
-    p.add_argument("--tokens", default="1,4,8,16", help="tokens per session per pass (drafts + 1)")
+    p.add_argument("--batches", type=int_list, default="1,8,32,64", help="sessions per pass, comma-separated")
+    p.add_argument("--tokens", type=int_list, default="1,4,8,16", help="tokens per session per pass (drafts + 1)")
     p.add_argument("--kv-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--divergence-sessions", type=int, default=32, help="0 to skip the divergence check")
@@ -237,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-linear", choices=["default", "onnxruntime"], default="default",
                    help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for the linear layers, fp32 only)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--name", default=None, help="default: gpu-passes-ENGINE")
-    p.add_argument("--out-dir", type=Path, default=HERE / "results", help="where NAME.json and NAME.md go "
+    p.add_argument("--name", type=report_name, default=None, help="default: gpu-passes-ENGINE")
+    p.add_argument("--out-dir", type=out_dir, default=HERE / "results", help="where NAME.json and NAME.md go "
                    "(default: bench/results)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
@@ -265,13 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
             print(f"{arch}: loading ({dtype} on {args.device})", file=sys.stderr, flush=True)
-            batches = [int(x) for x in args.batches.split(",")]
+            batches = list(args.batches)
             engine = build_engine(arch, args.device, dtype, Path(tmp), args.engine,
                                   max(*batches, args.divergence_sessions), args.kv_len + 128, args.cpu_linear,
                                   args.fuse)
             res: dict = {"fused_modules": getattr(engine, "fused", 0),  # what compiled, not what was asked
                          "passes": pass_times(engine, batches,
-                                              [int(x) for x in args.tokens.split(",")], args.kv_len, args.repeats)}
+                                              list(args.tokens), args.kv_len, args.repeats)}
             if args.divergence_sessions:
                 print(f"{arch}: divergence check", file=sys.stderr, flush=True)
                 prompts = chat_prompts(args.target, args.divergence_sessions) if args.target else None

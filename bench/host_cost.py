@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from cli_types import fraction
 from loadtest.machine import machine_info
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=60, help="timed passes per repeat (default 60)")
     p.add_argument("--repeats", type=int, default=3, help="repeats; each part's least is kept (default 3)")
     p.add_argument("--window", type=int, default=16, help="async edges' lookahead (default 16)")
-    p.add_argument("--alpha", type=float, default=0.68, help="async edges' per-draft acceptance (default 0.68)")
+    p.add_argument("--alpha", type=fraction, default=0.68, help="async edges' per-draft acceptance (default 0.68)")
     p.add_argument("--out", type=Path, default=Path("bench/results/host-cost"), help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
     if args.sessions < 1 or args.passes < 1 or args.repeats < 1:
@@ -153,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "sessions": args.sessions, "passes": args.passes, "repeats": args.repeats,
               "window": args.window, "alpha": args.alpha, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    args.out.with_suffix(".md").write_text(render(report))
+    # Suffixes added, not swapped: an OUT such as host-cost-1.5b keeps its whole name.
+    (args.out.parent / f"{args.out.name}.json").write_text(json.dumps(report, indent=1))
+    (args.out.parent / f"{args.out.name}.md").write_text(render(report))
     print(render(report))
     return 0
 

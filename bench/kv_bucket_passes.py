@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cli_types import int_list, out_dir, report_name
 from gpu_passes import build_engine, pass_times
 from loadtest.machine import machine_info
 from loadtest.rerun import rerun_command
@@ -62,22 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", choices=[*ARCHS, "tiny"], default="qwen2-7b")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda, fp32 on cpu")
-    p.add_argument("--max-len", default="512,2048", help="slot sizes (positions), comma-separated")
-    p.add_argument("--batches", default="64,192,256")
-    p.add_argument("--tokens", default="1,4,8", help="tokens per session per pass (drafts + 1)")
+    p.add_argument("--max-len", type=int_list, default="512,2048", help="slot sizes (positions), comma-separated")
+    p.add_argument("--batches", type=int_list, default="64,192,256", help="sessions per pass, comma-separated")
+    p.add_argument("--tokens", type=int_list, default="1,4,8", help="tokens per session per pass (drafts + 1)")
     p.add_argument("--kv-len", type=int, default=150, help="positions each session holds")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--name", default="kv-bucket-passes")
-    p.add_argument("--out-dir", type=Path, default=HERE / "results", help="where NAME.json and NAME.md go")
+    p.add_argument("--name", type=report_name, default="kv-bucket-passes")
+    p.add_argument("--out-dir", type=out_dir, default=HERE / "results", help="where NAME.json and NAME.md go")
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    batches, tokens = [int(x) for x in args.batches.split(",")], [int(x) for x in args.tokens.split(",")]
+    batches, tokens = list(args.batches), list(args.tokens)
     report: dict = {"machine": machine_info(args.device), "arch": args.arch, "device": args.device, "dtype": dtype,
                     "torch": torch.__version__, "kv_len": args.kv_len,
                     "rerun": rerun_command("bench/kv_bucket_passes.py", argv, {"--out-dir": "OUT_DIR"}), "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for max_len in (int(x) for x in args.max_len.split(",")):
+        for max_len in args.max_len:
             if max_len < args.kv_len + 64:
                 p.error(f"--max-len {max_len} leaves no room for {args.kv_len} positions and a pass")
             engine = build_engine(args.arch, args.device, dtype, Path(tmp), "static", max(batches), max_len)

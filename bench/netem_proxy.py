@@ -13,6 +13,8 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+from cli_types import at_least, host_port, port
+
 
 @dataclass
 class LinkConfig:
@@ -111,9 +113,9 @@ async def _main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--target", required=True, help="HOST:PORT to forward to")
+    p.add_argument("--target", type=host_port, required=True, help="HOST:PORT to forward to")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
-    p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
+    p.add_argument("--port", type=port, default=0, help="port to listen on (0: any free one)")
+    p.add_argument("--delay-ms", type=at_least(0, float), default=0.0, help="one-way delay, each direction")
+    p.add_argument("--rate-mbit", type=at_least(0, float), default=0.0, help="bandwidth cap per direction (0: none)")
     asyncio.run(_main(p.parse_args()))

@@ -43,13 +43,21 @@ def free_port() -> int:
 
 
 def pin(cores: Sequence[int] | None):  # type: ignore[no-untyped-def]
-    """A preexec_fn pinning the child to `cores` (None: no pinning)."""
+    """A preexec_fn pinning the child to `cores` (None: no pinning). Raises ValueError for a
+    core this process may not use: the child would run unpinned while a report says otherwise."""
     if not cores or not hasattr(os, "sched_setaffinity"):
         return None
-    chosen = {c for c in cores if c in START_CORES}
-    if not chosen:
-        return None
+    chosen = set(cores)
+    if chosen - START_CORES:
+        raise ValueError(f"core(s) {sorted(chosen - START_CORES)} not available here (available: {sorted(START_CORES)})")
     return lambda: os.sched_setaffinity(0, chosen)
+
+
+def server_and_edge_cores() -> tuple[list[int] | None, list[int] | None]:
+    """A server's core and its edge's: the last and the first this process may use; both None
+    (unpinned) where it has fewer than two."""
+    have = sorted(START_CORES)
+    return ([have[-1]], [have[0]]) if len(have) >= 2 else (None, None)
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, timeout: float) -> None:

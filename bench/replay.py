@@ -20,11 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import replay_model as rm
+from cli_types import at_least, out_dir, report_name
 from prompt_set import benchmark_prompts
 from specsplit.edge.drafter import Drafter
 from tqdm import tqdm
 
 HERE = Path(__file__).resolve().parent
+DEFAULT_BENCH = HERE / "results" / "rtt50.json"
 
 
 @dataclass(frozen=True)
@@ -145,17 +147,22 @@ def _shown(path: Path) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", type=Path, default=HERE / "results" / "rtt50.json",
+    p.add_argument("--bench", type=Path, default=DEFAULT_BENCH,
                    help="a bench/run_bench.py result with `none` runs (default: %(default)s)")
     p.add_argument("--rtt-ms", type=float, default=None, help="which of its RTTs (default: its first)")
     p.add_argument("--pass-costs", type=Path, default=HERE / "results" / "cpu-passes-bf16-invariant.json",
                    help="a bench/gpu_passes.py result for the same target and machine (default: %(default)s)")
     p.add_argument("--draft", type=Path, default=None,
                    help="the ONNX draft directory the run used (default: the default pair's, prepared if need be)")
-    p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
-    p.add_argument("--name", default="replay")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--sync-k", type=at_least(1), nargs="+", default=[2, 4, 6, 8], help="drafts per round of sync "
+                   "(default: 2 4 6 8)")
+    p.add_argument("--name", type=report_name,
+                   help="writes NAME.json and NAME.md in --out (default: replay for the default --bench, else "
+                   "replay-STEM after the --bench file's name, so a replay of another run keeps the committed one)")
+    p.add_argument("--out", type=out_dir, default=HERE / "results", help="where (default: bench/results)")
     args = p.parse_args()
+    default_name = "replay" if args.bench.resolve() == DEFAULT_BENCH else f"replay-{args.bench.stem}"
+    args.name = args.name or default_name
     if not args.bench.is_file() or not args.pass_costs.is_file():
         p.error(f"need both {args.bench} and {args.pass_costs}: run bench/run_bench.py and bench/gpu_passes.py first")
 
@@ -189,7 +196,7 @@ def main() -> None:
             "agreement": statistics.fmean(x for a in agreements.values() for x in a),
             "rerun": f"python bench/replay.py --bench {_shown(args.bench)} --pass-costs {_shown(args.pass_costs)} "
                      f"--sync-k {' '.join(map(str, args.sync_k))}" + (f" --rtt-ms {rtt:g}" if args.rtt_ms is not None else "")
-                     + (f" --name {args.name}" if args.name != "replay" else ""),
+                     + (f" --name {args.name}" if args.name != default_name else ""),
         },
         "agreement": {k: "".join("1" if x else "0" for x in a) for k, a in agreements.items()},
         "measured": measured_speedups(bench["runs"], rtt),

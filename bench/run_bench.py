@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -18,18 +19,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cli_types import at_least, out_dir, report_name
 from netem_proxy import LinkConfig, NetemProxy
-from orchestrate import machine, pin, run_edge, running_server
+from orchestrate import machine, pin, run_edge, running_server, server_and_edge_cores
 from prompt_set import benchmark_prompts
 from report import render_markdown, summarize
 from runlog import RunLog, SettingsMismatch
 
 from specsplit.common.export_meta import DraftExportMeta
+from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.server import models
 from specsplit.server.loading import resolve_dtype
 
 HERE = Path(__file__).resolve().parent
-SERVER_CORE, EDGE_CORE = 1, 0
 
 
 class ProxyThread:
@@ -53,12 +55,17 @@ class ProxyThread:
         self.thread.join()
 
 
-def run_script(script: str, args: list[str], core: int) -> list[dict]:
+def run_script(script: str, args: list[str], cores: list[int] | None) -> list[dict]:
     proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
-                          preexec_fn=pin([core]), env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          preexec_fn=pin(cores), env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"{script} failed: {proc.stderr[-2000:]}")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _window(text: str) -> str:
+    async_window(text)  # refuses what it cannot take
+    return text
 
 
 def async_window(window: str) -> list[str]:
@@ -66,47 +73,54 @@ def async_window(window: str) -> list[str]:
     if window == "auto":
         return ["--adaptive-window", "--window", "32"]  # the edge's default
     if not window.isdigit() or int(window) < 1:
-        raise SystemExit(f"error: --window takes a positive number or auto, not {window!r}")
+        raise argparse.ArgumentTypeError(f"give a positive number or auto, not {window!r}")
     return ["--no-adaptive-window", "--window", window]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--name", default="full")
-    p.add_argument("--rtt-ms", type=float, nargs="+", default=[50, 0, 20, 100],
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--name", type=report_name, required=True,
+                   help="writes NAME.json and NAME.md in --out (the make targets use full, quick and rtt50)")
+    p.add_argument("--rtt-ms", type=at_least(0, float), nargs="+", default=[50, 0, 20, 100],
                    help="RTTs to sweep, in the order measured (the goal's 50 ms first)")
-    p.add_argument("--prompts", type=int, default=0, help="use the first N prompts (0: all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sync-k", type=int, nargs="+", default=[2, 4, 6, 8])
-    p.add_argument("--window", default="auto",
+    p.add_argument("--prompts", type=at_least(0), default=0,
+                   help=f"use the first N of the {len(benchmark_prompts())} prompts (default 0: all)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    p.add_argument("--sync-k", type=at_least(1), nargs="+", default=[2, 4, 6, 8], help="drafts per round of sync")
+    p.add_argument("--window", type=_window, default="auto",
                    help="async lookahead: auto (default, the edge's default: sized from the acceptance seen, at most "
                    "32), or a fixed number of drafts (the edge's --no-adaptive-window)")
-    p.add_argument("--rate-mbit", type=float, default=0.0, help="bandwidth cap per direction (0: none)")
+    p.add_argument("--rate-mbit", type=at_least(0, float), default=0.0, help="bandwidth cap per direction (0: none)")
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face assisted generation")
     p.add_argument("--async-no-branches", action="store_true",
                    help="also measure async with the edge drafting no branches (mode async-no-branches)")
-    p.add_argument("--server-args", default="", help="extra arguments for specsplit-server serve")
+    p.add_argument("--server-args", type=shlex.split, default=[],
+                   help="extra arguments for specsplit-server serve, as one string (shell quoting applies)")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in <out>/<name>.json (same settings) and measure only the missing ones")
-    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--out", type=out_dir, default=HERE / "results", help="where (default: bench/results)")
     args = p.parse_args(argv)
-    async_args = async_window(args.window)  # a bad --window fails before any model loads
+    if args.prompts > len(benchmark_prompts()):
+        p.error(f"--prompts: there are {len(benchmark_prompts())} prompts, not {args.prompts}")
+    async_args = async_window(args.window)
 
-    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2:
-        os.sched_setaffinity(0, {EDGE_CORE})  # the driver and the proxy stay off the server's core
+    server_cores, edge_cores = server_and_edge_cores()
+    if edge_cores:
+        os.sched_setaffinity(0, edge_cores)  # the driver and the proxy stay off the server's core
     prompts = benchmark_prompts()
     prompts = prompts[: args.prompts] if args.prompts else prompts
     pair = models.prepare()
     header = {
         "name": args.name,
         "machine": machine(),
-        "pinning": f"server on core {SERVER_CORE}; edge, proxy and driver on core {EDGE_CORE}; one thread each",
+        "pinning": (f"server on core {server_cores[0]}; edge, proxy and driver on core {edge_cores[0]}; one thread each"
+                    if server_cores and edge_cores else "not pinned (fewer than two cores); one thread each"),
         "models": {"target": str(pair.target_dir.name), "target_dtype": resolve_dtype("auto", "cpu"),
                    "draft": str(pair.draft_dir.name), "draft_quantization": DraftExportMeta.load(pair.draft_dir).weights},
         "network": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit or None,
                     "how": "user-space TCP proxy adding rtt/2 one-way delay in each direction"},
         "settings": {"max_new_tokens": args.max_new_tokens, "window": int(args.window) if args.window.isdigit() else args.window, "sync_k": args.sync_k,
-                     "temperature": 0, "server_args": args.server_args, "prompts": [pr["id"] for pr in prompts],
+                     "temperature": 0, "server_args": shlex.join(args.server_args), "prompts": [pr["id"] for pr in prompts],
                      "hf_assisted": not args.no_hf,
                      **({"async_no_branches": True} if args.async_no_branches else {})},
     }
@@ -130,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.write(f"  {mode:>11} rtt={rtt} {prompt_id}: {stats['tokens']} tokens, {stats['tokens_per_s']:.2f} tok/s")
         progress.update()
 
-    def anchor(mode: str, title: str, script: str, script_args, core: int) -> None:  # type: ignore[no-untyped-def]
+    def anchor(mode: str, title: str, script: str, script_args, cores: list[int] | None) -> None:  # type: ignore[no-untyped-def]
         """Measure the prompts still missing for a network-free mode; script_args is called
         only then (the HF anchor needs the GGUF draft, checked on disk by models.pull)."""
         wanted = [pr for pr in prompts if (mode, None, pr["id"]) in todo]
@@ -138,19 +152,19 @@ def main(argv: list[str] | None = None) -> int:
             return
         progress.write(f"== {title}")
         texts = [w["text"] for w in wanted]
-        for pr, r in zip(wanted, run_script(script, [*script_args(), "--max-new-tokens", n, *texts], core)):
+        for pr, r in zip(wanted, run_script(script, [*script_args(), "--max-new-tokens", n, *texts], cores)):
             record(mode, None, pr["id"], r)
 
     weights = DraftExportMeta.load(pair.draft_dir).quantization
     anchor("draft", f"draft alone (ONNX {weights}, one core, one thread)", "draft_alone.py",
-           lambda: ["--draft", str(pair.draft_dir)], EDGE_CORE)
+           lambda: ["--draft", str(pair.draft_dir)], edge_cores)
     anchor("hf-assisted", f"Hugging Face assisted generation (both models {resolve_dtype('auto', 'cpu')}, one process, one core)",
            "hf_assisted.py", lambda: ["--target", str(pair.target_dir), "--draft", str(models.pull()["draft"])],
-           SERVER_CORE)
+           server_cores)
 
     server_log = Path(args.out) / f"{args.name}-server.log"
     if any(rtt is not None for _, rtt, _ in todo):
-        with running_server(str(pair.target_dir), [SERVER_CORE], extra=args.server_args.split(),
+        with running_server(str(pair.target_dir), server_cores, extra=args.server_args,
                             log_path=server_log) as (addr, _):
             for rtt in args.rtt_ms:
                 groups = [pr for pr in prompts if any((m, rtt, pr["id"]) in todo for m, _, _ in modes)]
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         # A (prompt, RTT) group is measured whole, so its modes stay side by side in one
                         # server's lifetime even when an earlier invocation measured part of it.
                         for name, edge_mode, extra in modes:
-                            stats = run_edge(proxy.address, str(pair.draft_dir), pr["text"], edge_mode, [EDGE_CORE],
+                            stats = run_edge(proxy.address, str(pair.draft_dir), pr["text"], edge_mode, edge_cores,
                                              ["--max-new-tokens", n, *extra])
                             record(name, rtt, pr["id"], stats)
                 finally:

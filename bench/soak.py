@@ -2,7 +2,8 @@
 
 Real ONNX Runtime edges (one asyncio process, one drafter per concurrent session)
 against a real server process; counts errors by status code and samples the server's
-resident memory. Writes bench/results/soak.json and soak.md.
+resident memory. Writes NAME.json and NAME.md (bench/results/soak.json and soak.md by
+default).
 """
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ from pathlib import Path
 import grpc
 import psutil
 
-from orchestrate import running_server
+from cli_types import at_least, out_dir, report_name
+from orchestrate import running_server, server_and_edge_cores
 from tiny_models import build_tiny_pair
 
+from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 
 HERE = Path(__file__).resolve().parent
+WARM_UP_S = 60  # memory is judged from here on: the first minute fills caches and pools
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import numpy as np", "Hello, how are"]
 
 
@@ -70,36 +74,43 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--sessions", type=int, default=64)
-    p.add_argument("--minutes", type=float, default=5.0)
-    p.add_argument("--margin", type=float, default=0.10, help="allowed growth of server memory after warm-up")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--sessions", type=at_least(1), default=64, help="concurrent sessions")
+    p.add_argument("--minutes", type=at_least(0, float, above=True), default=5.0,
+                   help="how long; memory is judged from minute 1 on where the run is longer than that")
+    p.add_argument("--margin", type=at_least(0, float), default=0.10, help="allowed growth of server memory")
+    p.add_argument("--name", type=report_name, default="soak", help="writes NAME.json and NAME.md in --out-dir")
+    p.add_argument("--out-dir", type=out_dir, default=HERE / "results", help="where (default: bench/results)")
     args = p.parse_args()
+    server_cores, _ = server_and_edge_cores()  # the edges run in this process, on whichever cores it has
     with tempfile.TemporaryDirectory() as tmp:
         models = build_tiny_pair(Path(tmp))
         log = Path(tmp) / "server.log"
-        with running_server(str(models.target_dir), [1], ["--max-sessions", str(args.sessions)], log,
+        with running_server(str(models.target_dir), server_cores, ["--max-sessions", str(args.sessions)], log,
                             dtype="fp32") as (address, server):
             result = asyncio.run(load(address, models.draft_dir, args.sessions, args.minutes * 60,
                                       psutil.Process(server.pid)))
-    samples = result["rss_samples"]
-    warm = [rss for t, rss in samples if t >= 60] or [rss for _, rss in samples]
+    samples = result["rss_samples"]  # the first is taken at the start, so there is always one
+    warm = [rss for t, rss in samples if t >= WARM_UP_S]
+    judged_from = f"after {WARM_UP_S // 60} min warm-up" if warm else "at the start (the run is too short to leave out a warm-up)"
+    warm = warm or [rss for _, rss in samples]
     growth = (warm[-1] - warm[0]) / warm[0]
     passed = not result["errors"] and growth <= args.margin
     report = {"sessions": args.sessions, "minutes": args.minutes, **result,
               "rss_after_warmup_mb": warm[0] / 2**20, "rss_end_mb": warm[-1] / 2**20, "rss_growth": growth,
               "margin": args.margin, "passed": passed,
-              "setup": "tiny random-weight qwen2 models; server pinned to core 1; edges in one process (mixed "
+              "setup": f"tiny random-weight qwen2 models; server {f'pinned to core {server_cores[0]}' if server_cores else 'not pinned'}; "
+                       "edges in one process (mixed "
                        "async/sync/none sessions, 16-63 new tokens each, restarted back to back; half the edges keep "
                        "their stream between generations, half start a call for each)"}
-    out = HERE / "results" / "soak.json"
-    out.parent.mkdir(exist_ok=True)
+    out = args.out_dir / f"{args.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text(
         f"# Soak: {args.sessions} concurrent sessions for {args.minutes:g} min\n\n"
         f"- {report['setup']}\n- generations completed: {result['generations']}, tokens: {result['tokens']}\n"
         f"- errors by status: {result['errors'] or 'none'}\n"
-        f"- server RSS after 1 min warm-up {report['rss_after_warmup_mb']:.0f} MB, at the end "
+        f"- server RSS {judged_from} {report['rss_after_warmup_mb']:.0f} MB, at the end "
         f"{report['rss_end_mb']:.0f} MB ({growth:+.1%}; margin {args.margin:.0%})\n- result: "
         f"{'PASS' if passed else 'FAIL'}\n\nRerun: `make soak`.\n")
     print(out.with_suffix(".md").read_text())

@@ -36,4 +36,10 @@ def test_a_child_gets_a_core_its_driver_gave_up() -> None:
 
 def test_no_cores_means_no_pinning() -> None:
     assert pin(None) is None and pin([]) is None
-    assert pin([max(START_CORES, default=0) + 1000]) is None  # a core this machine lacks
+
+
+@pytest.mark.skipif(not START_CORES, reason="the OS does not say which cores a process has")
+def test_a_core_this_process_cannot_use_is_refused_not_dropped() -> None:
+    """Dropped, the child ran unpinned while the report named the core."""
+    with pytest.raises(ValueError, match="not available here"):
+        pin([max(START_CORES) + 1000])

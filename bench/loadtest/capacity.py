@@ -1,9 +1,9 @@
 """The capacity result of a load test, in the short form the project tracks.
 
-Reads a load-test report (bench/results/NAME.json from run.py) and writes
-bench/results/capacity-<device>.json with `device`, `target_config`, `alpha`,
-`slo_tokens_per_s`, `baseline_sessions_at_slo`, `split_sessions_at_slo`, `ratio` and
-`errors`, plus a Markdown note beside it that says how the run is repeated.
+Reads a load-test report (bench/results/NAME.json from run.py) and writes OUT.json with
+`device`, `target_config`, `alpha`, `slo_tokens_per_s`, `baseline_sessions_at_slo`,
+`split_sessions_at_slo`, `ratio` and `errors`, plus OUT.md, a note that says how the run is
+repeated (the project keeps the GPU's at bench/results/capacity-gpu).
 
     python bench/loadtest/capacity.py bench/results/capacity-gpu-run.json --out bench/results/capacity-gpu
 """
@@ -28,7 +28,7 @@ def capacity(report: dict) -> dict:
         "slo_tokens_per_s": report["slo"],
         "baseline_sessions_at_slo": base,
         "split_sessions_at_slo": split,
-        "ratio": split / base if base else None,
+        "ratio": split / base if base and split is not None else None,  # None: a mode not swept, or none held
         "errors": s["errors"],
         "mismatched_outputs": s["mismatched_outputs"],
         "server_args": report["server_args"],
@@ -37,18 +37,22 @@ def capacity(report: dict) -> dict:
     }
 
 
+def _count(sessions: int | None) -> str:
+    return "not swept" if sessions is None else str(sessions)
+
+
 def render(c: dict, source: str) -> str:
     ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
     return "\n".join([
         f"# Capacity at {c['slo_tokens_per_s']:g} tokens/s per session ({c['device']})", "",
         "| | sessions at the SLO |", "| --- | --- |",
-        f"| server only (baseline) | {c['baseline_sessions_at_slo']} |",
-        f"| split, simulated edges at alpha {c['alpha']:g} | {c['split_sessions_at_slo']} |",
+        f"| server only (baseline) | {_count(c['baseline_sessions_at_slo'])} |",
+        f"| split, simulated edges at alpha {c['alpha']:g} | {_count(c['split_sessions_at_slo'])} |",
         f"| ratio | {ratio} |", "",
         f"Errors: {c['errors']['total']}; outputs differing from the target's greedy continuation: "
         f"{c['mismatched_outputs']}. Target: {c['target']}. Full per-point tables: `{source}` "
         "(and its .md).", "",
-        "To rerun, on a machine with the GPU, from the repository root after `make venv` "
+        "To rerun, on a machine with the same device, from the repository root after `make venv` "
         "(or with the three packages on PYTHONPATH):", "",
         f"    {c['rerun']}",
         f"    python bench/loadtest/capacity.py bench/results/<name>.json --out bench/results/capacity-gpu", "",
@@ -58,15 +62,20 @@ def render(c: dict, source: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("report", type=Path, help="a load-test report (JSON written by bench/loadtest/run.py)")
-    p.add_argument("--out", type=Path, required=True, help="output path without suffix: writes .json and .md")
+    p.add_argument("--out", type=Path, required=True, help="output path without suffix: writes OUT.json and OUT.md")
     args = p.parse_args(argv)
-    report = json.loads(args.report.read_text())
-    report.setdefault("name", args.report.name)
-    c = capacity(report)
-    args.out.with_suffix(".json").write_text(json.dumps(c, indent=2) + "\n")
+    try:
+        report = json.loads(args.report.read_text())
+        report.setdefault("name", args.report.name)
+        c = capacity(report)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # unreadable, or not a load-test report
+        p.error(f"cannot read a load-test report from {args.report}: {type(exc).__name__}: {exc}")
+    json_path, md_path = (args.out.parent / f"{args.out.name}{suffix}" for suffix in (".json", ".md"))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(c, indent=2) + "\n")
     # Named where the report is kept (bench/results/), not where this run read it from.
-    args.out.with_suffix(".md").write_text(render(c, f"bench/results/{args.report.name}"))
-    print(args.out.with_suffix(".md").read_text())
+    md_path.write_text(render(c, f"bench/results/{args.report.name}"))
+    print(md_path.read_text())
     return 0
 
 

@@ -24,6 +24,7 @@ if not __package__:
 import argparse  # noqa: E402
 import os  # noqa: E402
 
+from cli_types import at_least, cores, draft_export, int_list, model_dir, out_dir, report_name  # noqa: E402
 from loadtest.harness import RunOptions, execute  # noqa: E402
 from loadtest.prompts import PROMPT_SETS  # noqa: E402
 from loadtest.report import write_report  # noqa: E402
@@ -35,15 +36,6 @@ from loadtest.targets import ARCHS  # noqa: E402
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # Local paths, kept out of the reports' rerun line.
 PATH_OPTIONS = {"--target": "TARGET_DIR", "--draft": "DRAFT_DIR", "--out-dir": "OUT_DIR", "--server-log": "LOG"}
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """'1,2,4' or '0-3' (or a mix) as integers."""
-    out: list[int] = []
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
-    return tuple(out)
 
 
 def split_cores(server: tuple[int, ...] | None,
@@ -65,20 +57,20 @@ def log(message: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--target", type=Path, help="target Hugging Face directory (default: the tiny test target, "
+    target.add_argument("--target", type=model_dir, help="target Hugging Face directory (default: the tiny test target, "
                         "built in a temporary directory, with its eos removed so generations run to the limit)")
     target.add_argument("--target-config", choices=sorted(ARCHS),
                         help="serve a target of this Qwen2.5 shape with random weights (config.json and the tiny "
                         "tokenizer only; passes --load-format dummy-echo to the server, so that its greedy output "
                         "does not depend on batching)")
-    p.add_argument("--draft", type=Path, help="ONNX draft export for onnx edges (default: the tiny test draft)")
+    p.add_argument("--draft", type=draft_export, help="ONNX draft export for onnx edges (default: the tiny test draft)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the server runs the target")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="the target's dtype")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `specsplit-server serve`, repeatable (e.g. --server-arg=--max-wait-ms=50)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, from none,sim,onnx (default: all)")
     p.add_argument("--sessions", type=int_list, default=(1, 2, 4, 8, 16, 32),
-                   help="session counts, ascending (default 1,2,4,8,16,32)")
+                   help="session counts, each once, swept in ascending order (default 1,2,4,8,16,32)")
     p.add_argument("--sessions-for", action="append", default=[], metavar="MODE=COUNTS",
                    help="session counts for one mode instead of --sessions, repeatable (e.g. sim=512,576,640)")
     p.add_argument("--repeats", type=int, default=1,
@@ -112,14 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "to the acceptance it sees, as real edges do by default (default 16)")
     p.add_argument("--fixed-window", action="store_true", help="async edges always draft --window ahead")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated drafters' draws")
-    p.add_argument("--server-cores", type=int_list, help="e.g. 1 or 4-7 (default: the last core)")
-    p.add_argument("--server-threads", type=int, help="torch threads of the server (default: its core count, or 1)")
-    p.add_argument("--client-cores", type=int_list, help="load generator cores (default: all but the server's)")
-    p.add_argument("--client-procs", type=int, default=1,
+    p.add_argument("--server-cores", type=cores, help="e.g. 1 or 4-7 (default: the last core)")
+    p.add_argument("--server-threads", type=at_least(0),
+                   help="torch threads of the server, 0 for torch's default (default: its core count, or 1)")
+    p.add_argument("--client-cores", type=cores, help="load generator cores (default: all but the server's)")
+    p.add_argument("--client-procs", type=at_least(1), default=1,
                    help="load generator processes; sessions are dealt round-robin, each process pinned to one "
                    "client core (default 1: everything in this process)")
-    p.add_argument("--name", default="loadtest", help="writes NAME.json and NAME.md")
-    p.add_argument("--out-dir", type=Path, default=RESULTS, help="where (default: bench/results)")
+    p.add_argument("--name", type=report_name, default="loadtest", help="writes NAME.json and NAME.md in --out-dir")
+    p.add_argument("--out-dir", type=out_dir, default=RESULTS, help="where (default: bench/results)")
     p.add_argument("--server-log", type=Path,
                    help="keep the server's log here (default: not kept; its end is printed if the run fails)")
     return p
@@ -127,44 +120,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.branch_coverage and args.draft_delay_ms:
-        raise SystemExit("--branch-coverage needs simulated edges that pick tokens at once (no --draft-delay-ms)")
+        parser.error("--branch-coverage needs simulated edges that pick tokens at once (no --draft-delay-ms)")
     per_mode = {}
     for spec in args.sessions_for:
         mode, _, counts = spec.partition("=")
         try:
             parsed = int_list(counts)
-        except ValueError:
+        except argparse.ArgumentTypeError:
             parsed = ()
         if not parsed or mode in per_mode:
-            print(f"error: --sessions-for takes MODE=COUNTS once per mode (e.g. sim=512,576), got {spec!r}",
-                  file=sys.stderr)
-            return 2
+            parser.error(f"--sessions-for takes MODE=COUNTS once per mode (e.g. sim=512,576), got {spec!r}")
         per_mode[mode] = parsed
     try:
         cfg = SweepConfig(modes=tuple(filter(None, args.modes.split(","))), sessions=args.sessions, slo=args.slo,
                           per_mode=per_mode, repeats=args.repeats)
-    except ValueError as exc:  # an unknown mode, a count below 1
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
         settings = LoadSettings(max_new_tokens=args.max_new_tokens, window=args.window,
                                 adaptive_window=not args.fixed_window, alpha=args.alpha,
                                 draft_delay_ms=args.draft_delay_ms,
                                 branch_coverage=args.branch_coverage, seed=args.seed,
-                                duration_s=None if args.generations else args.duration, generations=args.generations,
+                                duration_s=None if args.generations is not None else args.duration, generations=args.generations,
                                 ramp_s=args.ramp, warmup_s=args.warmup,
                                 call_per_generation=args.call_per_generation)
-    except ValueError as exc:  # a negative ramp, a warm-up without a duration
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # no modes or an unknown one, a count twice, alpha above 1, ...
+        parser.error(str(exc))
     server_cores, client_cores = split_cores(args.server_cores, args.client_cores)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     opts = RunOptions(
         target=args.target, target_config=args.target_config, draft=args.draft, device=args.device,
         dtype=args.dtype, server_args=tuple(args.server_arg), server_cores=server_cores,
-        server_threads=args.server_threads or max(1, len(server_cores)),
+        server_threads=max(1, len(server_cores)) if args.server_threads is None else args.server_threads,
         client_cores=client_cores, client_procs=args.client_procs,
         server_log=args.server_log, prompt_set=args.prompts,
         rerun=rerun_command("bench/loadtest/run.py", argv, PATH_OPTIONS),

@@ -56,6 +56,18 @@ class LoadSettings:
     def __post_init__(self) -> None:
         if (self.duration_s is None) == (self.generations is None):
             raise ValueError("give either a duration or a number of generations per session")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError(f"the duration must be above 0 s, got {self.duration_s}")
+        if self.generations is not None and self.generations < 1:
+            raise ValueError(f"generations per session must be at least 1, got {self.generations}")
+        if self.max_new_tokens < 1 or self.window < 1:
+            raise ValueError(f"new tokens and the lookahead window must be at least 1, got {self.max_new_tokens} "
+                             f"and {self.window}")
+        if not (0 <= self.alpha <= 1 and 0 <= self.branch_coverage <= 1):
+            raise ValueError(f"alpha and the branch coverage are chances, from 0 to 1: got {self.alpha} and "
+                             f"{self.branch_coverage}")
+        if self.draft_delay_ms < 0:
+            raise ValueError(f"the draft delay must not be negative, got {self.draft_delay_ms}")
         if self.ramp_s < 0 or self.warmup_s < 0:
             raise ValueError(f"ramp and warm-up must not be negative, got {self.ramp_s} and {self.warmup_s}")
         if self.warmup_s and self.duration_s is None:

@@ -31,6 +31,12 @@ class SweepConfig:
     repeats: int = 1
 
     def __post_init__(self) -> None:
+        if not self.modes:
+            raise ValueError(f"give at least one mode, from {MODES}")
+        if len(set(self.modes)) < len(self.modes):
+            raise ValueError(f"a mode given twice: {self.modes} (each mode's sweep would overwrite the last)")
+        if any(len(set(counts)) < len(counts) for counts in (self.sessions, *self.per_mode.values())):
+            raise ValueError("a session count given twice in one sweep")
         unknown = set(self.modes) - set(MODES)
         if unknown:
             raise ValueError(f"unknown modes {sorted(unknown)}; choose from {MODES}")
@@ -38,6 +44,8 @@ class SweepConfig:
             raise ValueError(f"session counts given for modes not swept: {sorted(set(self.per_mode) - set(self.modes))}")
         if any(not counts or min(counts) < 1 for counts in (self.sessions, *self.per_mode.values())):
             raise ValueError("session counts must be at least 1")
+        if self.slo < 0:  # 0: any point without errors meets it
+            raise ValueError(f"the SLO must not be negative, got {self.slo} tokens/s")
         if self.repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
 

@@ -1,0 +1,127 @@
+"""Argument types for the benchmark scripts' command lines.
+
+A value no run could use is refused while the arguments are parsed, as one usage line,
+instead of surfacing as a traceback after models have loaded or a sweep has run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from specsplit.common.export_meta import DraftExportMeta
+
+
+def _number(text: str, kind: type) -> float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+
+
+def at_least(low: float, kind: type = int, above: bool = False) -> Callable[[str], float]:
+    """A number no lower than `low` (or above it, where `above`)."""
+
+    def parse(text: str) -> float:
+        value = _number(text, kind)
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {low}, got {text}")
+        return value
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    """A probability: a number from 0 to 1."""
+    value = _number(text, float)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text}")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """'1,2,4' or '0-3' (or a mix) as integers, at least one, none negative."""
+    out: list[int] = []
+    try:
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give integers separated by commas, or ranges such as 4-7: {text!r}") from None
+    if not out:
+        raise argparse.ArgumentTypeError(f"give at least one integer: {text!r}")
+    return tuple(out)
+
+
+def _available_cores() -> frozenset[int]:
+    """The cores this process may run on (empty where the OS does not say)."""
+    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+
+
+def cores(text: str) -> tuple[int, ...]:
+    """Cores to pin to, each one this process may run on: pinning elsewhere would fail, or
+    leave the process unpinned while its report says otherwise."""
+    chosen = int_list(text)
+    allowed = _available_cores()
+    missing = sorted(set(chosen) - allowed) if allowed else []
+    if missing:
+        raise argparse.ArgumentTypeError(f"core(s) {missing} not available here (available: {sorted(allowed)})")
+    return chosen
+
+
+def core(text: str) -> int:
+    """One core to pin to (see `cores`)."""
+    chosen = cores(text)
+    if len(chosen) != 1:
+        raise argparse.ArgumentTypeError(f"give one core, got {text!r}")
+    return chosen[0]
+
+
+def report_name(text: str) -> str:
+    """A results name: the stem of NAME.json and NAME.md in the output directory."""
+    if not text or text in (".", "..") or Path(text).name != text:
+        raise argparse.ArgumentTypeError(f"give a file name without a directory (the directory is its own option): {text!r}")
+    return text
+
+
+def out_dir(text: str) -> Path:
+    """An output directory: made if missing, but not a file already there."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
+    return path
+
+
+def model_dir(text: str) -> Path:
+    """A Hugging Face model directory (its config.json in it)."""
+    path = Path(text)
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"not a model directory (no config.json): {text}")
+    return path
+
+
+def draft_export(text: str) -> Path:
+    """A draft exported by `specsplit-server export-draft`."""
+    path = Path(text)
+    try:
+        DraftExportMeta.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # missing, or not the metadata an export writes
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
+
+
+def host_port(text: str) -> str:
+    """HOST:PORT with a port from 1 to 65535."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"give HOST:PORT with a port from 1 to 65535: {text!r}")
+    return text
+
+
+def port(text: str) -> int:
+    """A port to listen on: 0 (any free one) to 65535."""
+    value = int(_number(text, int))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"give a port from 0 to 65535, got {text}")
+    return value
