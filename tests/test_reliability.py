@@ -24,6 +24,7 @@ from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.hashing import HashedSequence
+from specsplit.server import cli as server_cli
 from specsplit.common.fingerprint import vocab_fingerprint
 from specsplit.v1 import specsplit_pb2 as pb
 from test_end_to_end import reference
@@ -260,6 +261,12 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as exc:  # plaintext to a TLS port
             run_edge(addr, tiny, ids, cfg, ConnectOptions(token="0123456789abcdef0123", retries=0))
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The health check (no token needed) reaches a TLS server with a client certificate.
+        tls = ["--tls-ca", str(pki["ca"].with_suffix(".crt")), "--tls-cert", str(pki["client"].with_suffix(".crt")),
+               "--tls-key", str(pki["client"].with_suffix(".key"))]
+        assert server_cli.main(["health", "--address", addr, *tls]) == 0
+        assert server_cli.main(["health", "--address", addr, *tls[:2]]) == 1  # no client certificate
+        assert server_cli.main(["health", "--address", addr, "--timeout", "1"]) == 1  # plaintext
 
 
 def test_edge_resumes_on_another_server_when_its_server_dies(tiny, server, tmp_path) -> None:
@@ -400,6 +407,24 @@ def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
     proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", *args],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_metrics_bind_their_own_host_where_given(tiny, tmp_path) -> None:
+    """Serving on one address and the metrics (plain HTTP, no token) on another: the metrics
+    answer there and not on the serving address."""
+    mport = free_port()
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--metrics-port", str(mport),
+                       "--metrics-host", "127.0.0.2"):
+        assert wait_for(lambda: _answers(f"http://127.0.0.2:{mport}/metrics"))
+        assert not _answers(f"http://127.0.0.1:{mport}/metrics")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return b"specsplit_" in resp.read()
+    except OSError:
+        return False
 
 
 def test_serve_refuses_a_busy_port_and_a_short_token_before_loading(tmp_path) -> None:

@@ -136,6 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         idle_stream_s=args.idle_stream_timeout,
         max_idle_streams=args.max_idle_streams,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         tls=tls,
         tokens_file=Path(args.tokens_file) if args.tokens_file else None,
         listeners=args.listeners,
@@ -192,11 +193,30 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health_channel(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Plaintext, or TLS where a CA is given (with this client's certificate for mutual TLS)."""
+    import grpc
+
+    if not (args.tls_ca or args.tls_cert):
+        return grpc.insecure_channel(args.address)
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    return grpc.secure_channel(args.address, credentials)
+
+
 def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    try:
+        channel = _health_channel(args)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
@@ -340,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "one takes them one at a time, which under hundreds of devices keeps calls waiting; 1 where "
                    "the platform cannot share a port")
     s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    s.add_argument("--metrics-host", help="address the metrics bind (default: --host); plain HTTP, without TLS or "
+                   "tokens, so keep it private, e.g. 127.0.0.1 while --host is 0.0.0.0")
     s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     s.add_argument("--tls-key", help="server private key (PEM)")
     s.add_argument("--tls-client-ca", help="CA (PEM) that signed client certificates: require mutual TLS")
@@ -374,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("action", choices=["pull", "prepare"])
     m.add_argument("pair", nargs="?", default=DEFAULT_PAIR, choices=sorted(PAIRS), help="model pair")
-    m.add_argument("--cache-dir", default=None, help="default: $SPECSPLIT_CACHE or ~/.cache/specsplit")
+    m.add_argument("--cache-dir", default=None, help="default: $SPECSPLIT_CACHE, else $XDG_CACHE_HOME/specsplit, else ~/.cache/specsplit")
     m.add_argument("--target", default=None, help="prepare: use this target instead of the default")
     m.add_argument("--draft", default=None, help="prepare: use this draft instead of the default")
     m.add_argument("--draft-quantize", choices=["int8", "int4"], default="int4",
@@ -387,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--address", default="localhost:50051", help="HOST:PORT of the server")
     h.add_argument("--service", default="", help="service name (default: the whole server)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for its answer")
+    h.add_argument("--tls-ca", help="check over TLS, trusting this CA certificate (PEM; default with --tls-cert: "
+                   "the system's CAs)")
+    h.add_argument("--tls-cert", help="this client's certificate (PEM), for a server that asks for one (mutual TLS)")
+    h.add_argument("--tls-key", help="this client's private key (PEM), with --tls-cert")
     h.set_defaults(func=_health)
     return p
 

@@ -48,4 +48,4 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.metrics_port is not None:
         if args.metrics_port == args.port or not 1 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be a port from 1 to 65535 other than --port, got {args.metrics_port}")
-        check_port_free(args.host, args.metrics_port)
+        check_port_free(args.metrics_host or args.host, args.metrics_port)

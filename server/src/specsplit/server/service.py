@@ -45,6 +45,7 @@ class ServeConfig:
     max_message_bytes: int = 1 << 20
     grace_s: float = 10.0
     metrics_port: int | None = None
+    metrics_host: str | None = None  # None: the serving host
     tls: TLSConfig | None = None
     tokens_file: Path | None = None
     # Keepalive: a vanished edge is noticed within about keepalive_s + keepalive_timeout_s.
@@ -263,7 +264,7 @@ async def serve(
                                    cfg.tls.credentials() if cfg.tls else None)
     address = f"{cfg.host}:{port}"
     if cfg.metrics_port is not None:
-        metrics.serve(cfg.metrics_port, cfg.host)
+        metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
     for server in servers:
         await server.start()
     for name in ("", SERVICE_NAME):
