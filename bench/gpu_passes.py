@@ -34,7 +34,6 @@ from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS, write_config_target
 from specsplit.server import models
 from specsplit.server.cpu_linear import use_mlas_linears
-from specsplit.server.fp8_linear import use_fp8_linears
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
 from specsplit.server.static_engine import StaticEngine
 from specsplit.server.loading import load_model
@@ -45,7 +44,7 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
 
 
 def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slots: int, max_len: int,
-                 cpu_linear: str = "default", fuse: bool | None = None, fp8: bool = False) -> Engine:
+                 cpu_linear: str = "default", fuse: bool | None = None) -> Engine:
     real = Path(arch).is_dir()  # a model directory: its own weights
     target = Path(arch) if real else write_config_target(work / arch, "qwen2-1.5b" if arch == "tiny" else arch)
     if arch == "tiny":
@@ -54,8 +53,6 @@ def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slot
         config.pop("layer_types", None)  # derived from the layer count again on load
         (target / "config.json").write_text(json.dumps(config))
     loaded = load_model(str(target), dtype=dtype, device=device, load_format="auto" if real else "dummy")
-    if fp8:
-        use_fp8_linears(loaded.model)
     if cpu_linear == "onnxruntime":
         use_mlas_linears(loaded.model)
     return StaticEngine(loaded, slots, max_len, fuse=fuse) if kind == "static" else TargetEngine(loaded)
@@ -194,8 +191,7 @@ def render(report: dict) -> str:
         engine += ", norms and MLPs " + ("compiled" if all(fused) else "eager" if not any(fused) else "partly compiled")
     lines = [f"# Engine passes and batching divergence ({engine}, {report['dtype']}, {weights})", "",
              f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report.get('torch', '?')}; {report.get('threads', '?')} thread(s); "
-             f"linear layers: {report.get('cpu_linear', '?')}{', decoder in FP8' if report.get('fp8') else ''}. "
-             f"Rerun: `{report['rerun']}`", ""]
+             f"linear layers: {report.get('cpu_linear', '?')}. Rerun: `{report['rerun']}`", ""]
     for arch, res in report["archs"].items():
         lines += [f"## {arch}", "", "| sessions | tokens each | KV length | pass ms (median) |", "| --- | --- | --- | --- |"]
         lines += [f"| {r['sessions']} | {r['tokens_per_session']} | {r['kv_len']} | {r['ms_median']:.1f} |"
@@ -241,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
                    "default pair's target (prepared into the model cache if needed)")
     p.add_argument("--cpu-linear", choices=["default", "onnxruntime"], default="default",
                    help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for the linear layers, fp32 only)")
-    p.add_argument("--fp8", action="store_true", help="the server's --fp8 (the decoder's linears in FP8)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--name", type=report_name, default=None, help="default: gpu-passes-ENGINE")
     p.add_argument("--out-dir", type=out_dir, default=HERE / "results", help="where NAME.json and NAME.md go "
@@ -262,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     archs = [str(args.target)] if args.target else args.arch or ["qwen2-1.5b", "qwen2-7b"]
     report: dict = {"machine": machine_info(args.device), "dtype": dtype, "device": args.device, "engine": args.engine,
-                    "fuse": args.fuse, "fp8": args.fp8, "torch": torch.__version__,
+                    "fuse": args.fuse, "torch": torch.__version__,
                     "target": args.target.name if args.target else None, "cpu_linear": args.cpu_linear,
                     "threads": torch.get_num_threads(),
                     "rerun": rerun_command("bench/gpu_passes.py", argv,
@@ -274,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             batches = list(args.batches)
             engine = build_engine(arch, args.device, dtype, Path(tmp), args.engine,
                                   max(*batches, args.divergence_sessions), args.kv_len + 128, args.cpu_linear,
-                                  args.fuse, args.fp8)
+                                  args.fuse)
             res: dict = {"fused_modules": getattr(engine, "fused", 0),  # what compiled, not what was asked
                          "passes": pass_times(engine, batches,
                                               list(args.tokens), args.kv_len, args.repeats)}

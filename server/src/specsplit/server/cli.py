@@ -68,9 +68,6 @@ def _serve(args: argparse.Namespace) -> int:
     if args.fuse and args.engine != "static":
         print("error: --fuse compiles the static engine's modules; it needs --engine static", file=sys.stderr)
         return 2
-    if args.fp8 and args.device != "cuda":
-        print("error: --fp8 is for a GPU with FP8 matrix units (--device cuda); on a CPU it is slower", file=sys.stderr)
-        return 2
     # The target thread lets go of the GIL in every torch call and must get it back from the
     # event loop, which under load is always busy with messages: at Python's default of 5 ms
     # per hand-over, a GPU pass stretched well past its GPU time.
@@ -86,10 +83,6 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, MissingWeights) as exc:  # no such path, a hub id that cannot be fetched, a partial checkpoint
         print(f"error: cannot load the target {args.target}: {exc}", file=sys.stderr)
         return 2
-    if args.fp8:
-        from specsplit.server.fp8_linear import use_fp8_linears
-
-        log.info("FP8 linears: %d decoder layers", use_fp8_linears(loaded.model))
     if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
         from specsplit.server.cpu_linear import use_mlas_linears
 
@@ -302,10 +295,6 @@ def build_parser() -> argparse.ArgumentParser:
         "dummy as initialised; dummy-echo with every layer's output projections zeroed and the input embeddings "
         "as output head, so that the greedy output (the last prompt token, repeated) is the same in any batch",
     )
-    s.add_argument("--fp8", action="store_true",
-                   help="serve the target's decoder linears in FP8 (e4m3: weights scaled per output channel, "
-                   "activations per token), for GPUs with FP8 matrix units (Hopper on). The served target's numbers "
-                   "change, every mode alike: outputs stay identical to this server's own, not to a bf16 server's")
     s.add_argument(
         "--cpu-linear",
         choices=["auto", "onnxruntime", "default"],
