@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 
 from cli_types import core, int_list, out_dir, report_name
-from orchestrate import free_port, machine, pin
+from orchestrate import free_port, machine, pin, server_and_edge_cores
 from specsplit.server.listeners import bind_listeners
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -164,13 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(_serve(listeners[0], args.port, args.turn_ms / 1000))
         return 0
-    if not listeners or min(listeners) < 1 or args.callers < 1 or args.duration <= 0 or args.turn_ms < 0:
+    if min(listeners) < 1 or args.callers < 1 or args.duration <= 0 or args.turn_ms < 0:
         p.error("listener counts and callers must be at least 1, the duration above 0, --turn-ms not negative")
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    two = len(cores) >= 2
-    settings = Settings(listeners, args.callers, args.duration, args.turn_ms,
-                        args.server_core if args.server_core is not None else (cores[-1] if two else None),
-                        args.client_core if args.client_core is not None else (cores[0] if two else None))
+    server_cores, client_cores = server_and_edge_cores()
+    if args.server_core is None and server_cores:
+        args.server_core = server_cores[0]
+    if args.client_core is None and client_cores:
+        args.client_core = client_cores[0]
+    settings = Settings(listeners, args.callers, args.duration, args.turn_ms, args.server_core, args.client_core)
     report = measure(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -6,8 +6,9 @@ instead of surfacing as a traceback after models have loaded or a sweep has run.
 from __future__ import annotations
 
 import argparse
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from specsplit.common.export_meta import DraftExportMeta
@@ -15,9 +16,12 @@ from specsplit.common.export_meta import DraftExportMeta
 
 def _number(text: str, kind: type) -> float:
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}")
+    return value
 
 
 def at_least(low: float, kind: type = int, above: bool = False) -> Callable[[str], float]:
@@ -46,6 +50,8 @@ def int_list(text: str) -> tuple[int, ...]:
     try:
         for part in filter(None, text.split(",")):
             lo, _, hi = part.partition("-")
+            if hi and int(hi) < int(lo):
+                raise argparse.ArgumentTypeError(f"the range {part} runs backwards: give {hi}-{lo}")
             out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
     except ValueError:
         raise argparse.ArgumentTypeError(f"give integers separated by commas, or ranges such as 4-7: {text!r}") from None
@@ -54,19 +60,28 @@ def int_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _available_cores() -> frozenset[int]:
-    """The cores this process may run on (empty where the OS does not say)."""
-    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+# The cores this process could use when it started (empty where the OS does not say). A
+# driver pins itself to the edge's core afterwards (the benchmark does, to keep off the
+# server's core); its children must still be placed on the cores it gave up, so they are
+# checked against this set, not the current one.
+START_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
+
+
+def check_cores(chosen: Iterable[int]) -> None:
+    """Raise ValueError for a core this process may not use: pinning to it would fail, or
+    leave the process unpinned while its report says otherwise."""
+    missing = sorted(set(chosen) - START_CORES) if START_CORES else []
+    if missing:
+        raise ValueError(f"core(s) {missing} not available here (available: {sorted(START_CORES)})")
 
 
 def cores(text: str) -> tuple[int, ...]:
-    """Cores to pin to, each one this process may run on: pinning elsewhere would fail, or
-    leave the process unpinned while its report says otherwise."""
+    """Cores to pin to, each one this process may run on."""
     chosen = int_list(text)
-    allowed = _available_cores()
-    missing = sorted(set(chosen) - allowed) if allowed else []
-    if missing:
-        raise argparse.ArgumentTypeError(f"core(s) {missing} not available here (available: {sorted(allowed)})")
+    try:
+        check_cores(chosen)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return chosen
 
 

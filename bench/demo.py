@@ -8,12 +8,11 @@ weights, which would give two equal streams of noise). The server is shut down i
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from cli_types import at_least, core
-from orchestrate import run_edge, running_server
+from orchestrate import run_edge, running_server, server_and_edge_cores
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
@@ -48,20 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
     p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=at_least(1), default=128)
-    p.add_argument("--server-core", type=core, default=1, help="where two or more cores are available")
-    p.add_argument("--edge-core", type=core, default=0, help="where two or more cores are available")
+    p.add_argument("--server-core", type=core, help="default: the last core this process may use, where it may use two")
+    p.add_argument("--edge-core", type=core, help="default: the first core this process may use, where it may use two")
     p.add_argument("--window", type=at_least(1), default=32, help="most drafts ahead (the edge sizes its lookahead up to it)")
     p.add_argument("--log", default="demo-server.log", help="server log file")
     args = p.parse_args(argv)
 
     print("== preparing the default models (first time: a few minutes; then seconds)", flush=True)
     pair = models.prepare()
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    pinned = len(cores) >= 2
-    server_cores = [args.server_core] if pinned else None
-    edge_cores = [args.edge_core] if pinned else None
-    pinning = (f"server on core {args.server_core}, edge on core {args.edge_core}, one thread each"
-               if pinned else "not pinned (fewer than 2 cores available), one thread each")
+    server_cores, edge_cores = server_and_edge_cores()
+    server_cores = [args.server_core] if args.server_core is not None else server_cores
+    edge_cores = [args.edge_core] if args.edge_core is not None else edge_cores
+    pinning = ", ".join(f"{role} on core {cores[0]}" if cores else f"{role} not pinned"
+                        for role, cores in (("server", server_cores), ("edge", edge_cores))) + ", one thread each"
     print(f"== starting the server ({pinning})", flush=True)
     extra = ["--max-new-tokens", str(args.max_new_tokens)]
     with running_server(str(pair.target_dir), server_cores, log_path=Path(args.log)) as (address, _):

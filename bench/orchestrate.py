@@ -20,11 +20,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cli_types import START_CORES, check_cores
+
 BIN = Path(sys.executable).parent
-# The cores this process could use when it started. A driver pins itself to the edge's core
-# afterwards (the benchmark does, to keep off the server's core); its children must still be
-# placed on the cores it gave up, so they are checked against this set, not the current one.
-START_CORES = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
 
 
 def machine() -> dict:
@@ -47,9 +45,8 @@ def pin(cores: Sequence[int] | None):  # type: ignore[no-untyped-def]
     core this process may not use: the child would run unpinned while a report says otherwise."""
     if not cores or not hasattr(os, "sched_setaffinity"):
         return None
+    check_cores(cores)
     chosen = set(cores)
-    if chosen - START_CORES:
-        raise ValueError(f"core(s) {sorted(chosen - START_CORES)} not available here (available: {sorted(START_CORES)})")
     return lambda: os.sched_setaffinity(0, chosen)
 
 

@@ -25,6 +25,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
     (cli_types.int_list, "1,x", "integers separated by commas"),
     (cli_types.int_list, ",", "at least one integer"),
     (cli_types.int_list, "-3", "integers separated by commas"),
+    (cli_types.int_list, "1,7-4", "runs backwards"),  # it was read as 1 alone
+    (cli_types.at_least(0, float), "nan", "not a number"),
     (cli_types.report_name, "sub/x", "without a directory"),
     (cli_types.report_name, "..", "without a directory"),
     (cli_types.host_port, "localhost", "HOST:PORT"),
@@ -113,7 +115,9 @@ def test_capacity_keeps_a_dotted_output_name_and_takes_a_report_without_split(tm
     assert capacity.main([str(tmp_path / "r.json"), "--out", str(tmp_path / "out" / "capacity-gpu-1.5b")]) == 0
     written = json.loads((tmp_path / "out" / "capacity-gpu-1.5b.json").read_text())  # not capacity-gpu-1.json
     assert written["ratio"] is None and written["baseline_sessions_at_slo"] == 384
-    assert "| split, simulated edges at alpha 0.85 | not swept |" in capsys.readouterr().out
+    note = capsys.readouterr().out
+    assert "| split, simulated edges at alpha 0.85 | not swept |" in note
+    assert "--out bench/results/capacity-gpu-1.5b" in note  # its rerun writes where this one did, not the headline
 
 
 def test_capacity_says_so_when_its_input_is_not_a_load_test_report(tmp_path, capsys) -> None:

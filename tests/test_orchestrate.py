@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import orchestrate
 from orchestrate import START_CORES, pin
 
 needs_two_cores = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(START_CORES) < 2,
@@ -32,6 +33,16 @@ def test_a_child_gets_a_core_its_driver_gave_up() -> None:
         assert child_cores([first]) == {first}
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.parametrize(("have", "want"), [
+    ({0, 1}, ([1], [0])),
+    ({2, 3, 5}, ([5], [2])),  # a container's cpuset need not hold cores 0 and 1
+    ({4}, (None, None)),  # one core: nothing to keep apart
+])
+def test_the_server_takes_the_last_core_and_the_edge_the_first(have, want, monkeypatch) -> None:
+    monkeypatch.setattr(orchestrate, "START_CORES", frozenset(have))
+    assert orchestrate.server_and_edge_cores() == want
 
 
 def test_no_cores_means_no_pinning() -> None:

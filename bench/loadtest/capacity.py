@@ -41,7 +41,7 @@ def _count(sessions: int | None) -> str:
     return "not swept" if sessions is None else str(sessions)
 
 
-def render(c: dict, source: str) -> str:
+def render(c: dict, source: str, out: str = "bench/results/capacity-gpu") -> str:
     ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
     return "\n".join([
         f"# Capacity at {c['slo_tokens_per_s']:g} tokens/s per session ({c['device']})", "",
@@ -55,7 +55,7 @@ def render(c: dict, source: str) -> str:
         "To rerun, on a machine with the same device, from the repository root after `make venv` "
         "(or with the three packages on PYTHONPATH):", "",
         f"    {c['rerun']}",
-        f"    python bench/loadtest/capacity.py bench/results/<name>.json --out bench/results/capacity-gpu", "",
+        f"    python bench/loadtest/capacity.py {source} --out {out}", "",
     ])
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(c, indent=2) + "\n")
     # Named where the report is kept (bench/results/), not where this run read it from.
-    md_path.write_text(render(c, f"bench/results/{args.report.name}"))
+    md_path.write_text(render(c, f"bench/results/{args.report.name}", f"bench/results/{args.out.name}"))
     print(md_path.read_text())
     return 0
 

@@ -105,8 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-window", action="store_true", help="async edges always draft --window ahead")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated drafters' draws")
     p.add_argument("--server-cores", type=cores, help="e.g. 1 or 4-7 (default: the last core)")
-    p.add_argument("--server-threads", type=at_least(0),
-                   help="torch threads of the server, 0 for torch's default (default: its core count, or 1)")
+    p.add_argument("--server-threads", type=at_least(1), help="torch threads of the server (default: its core count, or 1)")
     p.add_argument("--client-cores", type=cores, help="load generator cores (default: all but the server's)")
     p.add_argument("--client-procs", type=at_least(1), default=1,
                    help="load generator processes; sessions are dealt round-robin, each process pinned to one "

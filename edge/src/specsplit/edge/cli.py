@@ -16,6 +16,7 @@ from typing import TextIO
 import grpc
 
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
+from specsplit.common.tls import client_credentials
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
@@ -151,6 +152,7 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText) -> int
                     shown.end_line()  # the error or the next prompt follows on a line of its own
                 raise
             _report(result, tokenizer, args, shown, stats_file)
+            log_handler.shown = None  # the report ended its line; a warning before the next is on its own
     finally:
         stream.close()
         for channel in channels:
@@ -179,14 +181,8 @@ def _report(result: GenerationResult, tokenizer: EdgeTokenizer, args: argparse.N
 
 
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
-    credentials = None
-    if args.tls_ca or args.tls_cert:
-        if bool(args.tls_cert) != bool(args.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
     return ConnectOptions(
-        credentials=credentials,
+        credentials=client_credentials(args.tls_ca, args.tls_cert, args.tls_key),
         token=os.environ.get("SPECSPLIT_TOKEN") or None,
         stall_timeout_s=args.stall_timeout,
         retries=args.retries,

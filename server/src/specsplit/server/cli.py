@@ -193,29 +193,18 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _health_channel(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    """Plaintext, or TLS where a CA is given (with this client's certificate for mutual TLS)."""
-    import grpc
-
-    if not (args.tls_ca or args.tls_cert):
-        return grpc.insecure_channel(args.address)
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
-    credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
-    return grpc.secure_channel(args.address, credentials)
-
-
 def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    if bool(args.tls_cert) != bool(args.tls_key):
-        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
+    from specsplit.common.tls import client_credentials
+
     try:
-        channel = _health_channel(args)
-    except OSError as exc:
+        credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    channel = grpc.secure_channel(args.address, credentials) if credentials else grpc.insecure_channel(args.address)
     with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(

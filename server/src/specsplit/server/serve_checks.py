@@ -45,6 +45,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     if args.tokens_file is not None and Path(args.tokens_file).is_file():  # a pipe could be read only once
         load_tokens(Path(args.tokens_file))  # its own errors name the line
     check_port_free(args.host, args.port)
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise ValueError("--metrics-host places the metrics: give their --metrics-port too")
     if args.metrics_port is not None:
         if args.metrics_port == args.port or not 1 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be a port from 1 to 65535 other than --port, got {args.metrics_port}")
