@@ -26,6 +26,7 @@ from loadtest.summary import by_process, session_speeds, summarize
 from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
 from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from loadtest.timeline import Acceptance
+from loadtest.workers import ClientWorkers
 from prompt_set import benchmark_prompts
 from specsplit.edge.tokenizer import EdgeTokenizer
 
@@ -93,6 +94,22 @@ def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_war
     counted = replace(spec, settings=LoadSettings(max_new_tokens=4, duration_s=None, generations=1, ramp_s=0.8))
     late = asyncio.run(run_sessions(counted, [(6, "none")], total=8))
     assert late.finished - late.started >= 0.6
+
+
+def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, running, references) -> None:
+    """Each process used to start its share as it received it: the windows were staggered, and
+    the late processes' sessions ran their last seconds beside a server the others had left."""
+    server, prompts = running[1].server, running[1].prompts
+    settings = LoadSettings(max_new_tokens=4, duration_s=None, generations=1)
+    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+                    settings)
+    workers = ClientWorkers(2, ())
+    try:
+        runs = workers.run(spec, [(i, "none") for i in range(4)])
+    finally:
+        workers.close()
+    assert len(runs) == 2 and runs[0].started == runs[1].started
+    assert all(not s.errors and s.records for run in runs for s in run.sessions)
 
 
 @given(st.floats(0, 100), st.lists(st.floats(0, 50), max_size=20), st.floats(0, 150), st.floats(0, 150))

@@ -231,15 +231,24 @@ class _Session:
                 stream.close()
 
 
-async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], total: int | None = None) -> LoadRun:
-    """Run the sessions (index, kind) concurrently until the spec's duration or count is done.
-    Session i of `total` (default: these) starts i / total of the way through the ramp."""
+def build_sessions(spec: LoadSpec, sessions: list[tuple[int, str]]) -> list[_Session]:
+    """The sessions (index, kind), built before the clock starts."""
+    return [_Session(spec, index, kind) for index, kind in sessions]
+
+
+async def run_built(spec: LoadSpec, edges: list[_Session], total: int, started: float) -> LoadRun:
+    """Run built sessions concurrently from `started` (a time.monotonic() reading, now or
+    soon) until the spec's duration or count is done. Session i of `total` starts i / total
+    of the way through the ramp."""
     load = spec.settings
-    total = total or len(sessions)
-    edges = [_Session(spec, index, kind) for index, kind in sessions]
     cpu0 = time.process_time()
-    started = time.monotonic()
     opens = started + load.ramp_s + load.warmup_s
     deadline = None if load.duration_s is None else opens + load.duration_s
     await asyncio.gather(*(e.run(started + load.ramp_s * e.log.index / total, opens, deadline) for e in edges))
     return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)
+
+
+async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], total: int | None = None) -> LoadRun:
+    """Build the sessions (index, kind) and run them from now on (`run_built`)."""
+    edges = build_sessions(spec, sessions)
+    return await run_built(spec, edges, total or len(sessions), time.monotonic())

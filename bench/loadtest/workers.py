@@ -2,17 +2,26 @@
 
 One asyncio process drives the sessions on about one core (the GIL); with more client
 cores, sessions are spread over worker processes, each pinned to one of them. The
-workers live for the whole sweep so that their start-up is never timed.
+workers live for the whole sweep so that their start-up is never timed, and every point's
+sessions start at one moment in all of them: each worker builds its sessions, says so, and
+is given the common start. Started as each received its share, the processes' windows
+were staggered, and the ones that began late ran their last seconds beside a server the
+others had already left, faster than the point's load allows.
 """
 from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from loadtest.sessions import LoadRun, LoadSpec, run_sessions
+from loadtest.sessions import LoadRun, LoadSpec, build_sessions, run_built
+
+READY = "ready"
+# From the last worker's READY to the common start: time for the start to reach them all.
+START_LEAD_S = 0.2
 
 
 def _serve(conn: Connection, core: int | None) -> None:
@@ -20,7 +29,10 @@ def _serve(conn: Connection, core: int | None) -> None:
         os.sched_setaffinity(0, {core})
     while (job := conn.recv()) is not None:
         spec, sessions, total = job
-        conn.send(asyncio.run(run_sessions(spec, sessions, total)))
+        edges = build_sessions(spec, sessions)  # ONNX drafters take a while: before the start
+        conn.send(READY)
+        started = conn.recv()  # time.monotonic() is the machine's clock, one for every process
+        conn.send(asyncio.run(run_built(spec, edges, total, started)))
 
 
 class ClientWorkers:
@@ -42,13 +54,20 @@ class ClientWorkers:
         return len(self._procs)
 
     def run(self, spec: LoadSpec, sessions: list[tuple[int, str]]) -> list[LoadRun]:
-        """Blocking: deal the sessions round-robin to the workers and wait for all of them."""
+        """Blocking: deal the sessions round-robin to the workers, start them all at once
+        when all are built, and wait for all of them."""
         busy = []
         for i, conn in enumerate(self._conns):
             part = sessions[i :: len(self._conns)]
             if part:
                 conn.send((spec, part, len(sessions)))
                 busy.append(conn)
+        for conn in busy:
+            if (said := conn.recv()) != READY:
+                raise RuntimeError(f"a load-generator process answered {said!r} instead of {READY!r}")
+        started = time.monotonic() + START_LEAD_S
+        for conn in busy:
+            conn.send(started)
         return [conn.recv() for conn in busy]
 
     def close(self) -> None:
