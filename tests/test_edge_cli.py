@@ -100,10 +100,10 @@ def test_a_warning_while_text_streams_lands_on_a_line_of_its_own_only_on_a_share
     handler = LogBesideText(shares_terminal)
     handler.shown = shown
     shown([ord(c) for c in "Hello"])
-    handler.handle(logging.makeLogRecord({"msg": "retrying", "levelno": logging.WARNING}))
+    handler.handle(logging.makeLogRecord({"msg": "retrying", "levelno": logging.WARNING, "levelname": "WARNING"}))
     shown([ord(c) for c in "Hello world\n"])
-    handler.handle(logging.makeLogRecord({"msg": "again", "levelno": logging.WARNING}))
+    handler.handle(logging.makeLogRecord({"msg": "again", "levelno": logging.WARNING, "levelname": "WARNING"}))
     # Text going to a file or a pipe is never touched; on one terminal the open line is ended,
     # once, and a line already ended is left alone.
     assert out.getvalue() == ("Hello\n world\n" if shares_terminal else "Hello world\n")
-    assert capsys.readouterr().err == "retrying\nagain\n"
+    assert capsys.readouterr().err == "WARNING: retrying\nWARNING: again\n"
