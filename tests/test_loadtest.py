@@ -106,10 +106,17 @@ def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, ru
     workers = ClientWorkers(2, ())
     try:
         runs = workers.run(spec, [(i, "none") for i in range(4)])
+        # A worker that cannot build its share (onnx sessions without a draft) calls the point
+        # off, named, in every worker, and the workers serve the next point.
+        with pytest.raises(RuntimeError, match="process 1 could not build its sessions.*need a draft directory"):
+            workers.run(spec, [(0, "none"), (1, "onnx")])
+        again = workers.run(spec, [(i, "none") for i in range(2)])
     finally:
         workers.close()
     assert len(runs) == 2 and runs[0].started == runs[1].started
-    assert all(not s.errors and s.records for run in runs for s in run.sessions)
+    for run in (*runs, *again):
+        assert all(not s.errors and s.records for s in run.sessions)
+        assert all(s.records[0].started_at >= run.started for s in run.sessions)  # none began before the start
 
 
 @given(st.floats(0, 100), st.lists(st.floats(0, 50), max_size=20), st.floats(0, 150), st.floats(0, 150))

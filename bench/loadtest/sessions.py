@@ -111,8 +111,8 @@ class SessionLog:
     kind: str
     records: list[GenerationRecord] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
-    # From its first generation's start, or the measured window's opening if later, to its
-    # process's deadline (each load-generator process has its own); None without a deadline.
+    # From its first generation's start, or the measured window's opening if later, to the
+    # deadline; None without a deadline.
     window_s: float | None = None
 
     @property

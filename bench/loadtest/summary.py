@@ -129,9 +129,9 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
     wall = run.finished - run.started
     # Server speed over the measured window only: the last generations run past the
     # deadline with ever fewer sessions, which would understate the loaded throughput.
-    # Each load-generator process has its own window of the set length, and the processes
-    # start a little apart: the span from the first window's opening to the last one's end
-    # would understate the speed (by 28% on the first point of one GPU run).
+    # A run merged from several load-generator processes may span more than one window (runs
+    # given their own starts did: by seconds on a sweep's first point, understating the speed
+    # by 28% on one GPU run); the set length is the window.
     window = spec.settings.duration_s if spec.settings.duration_s is not None else wall
     errors: Counter = sum((s.errors for s in sessions), Counter())
     kinds = Counter(s.kind for s in sessions)

@@ -15,11 +15,11 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from loadtest.sessions import LoadRun, LoadSpec, build_sessions, run_built
 
-READY = "ready"
+READY, CANCEL = "ready", "cancel"
 # From the last worker's READY to the common start: time for the start to reach them all.
 START_LEAD_S = 0.2
 
@@ -29,10 +29,15 @@ def _serve(conn: Connection, core: int | None) -> None:
         os.sched_setaffinity(0, {core})
     while (job := conn.recv()) is not None:
         spec, sessions, total = job
-        edges = build_sessions(spec, sessions)  # ONNX drafters take a while: before the start
+        try:
+            edges = build_sessions(spec, sessions)  # ONNX drafters take a while: before the start
+        except Exception as exc:  # told to the parent, which calls the point off in every worker
+            conn.send(f"could not build its sessions: {exc!r}")
+            continue
         conn.send(READY)
         started = conn.recv()  # time.monotonic() is the machine's clock, one for every process
-        conn.send(asyncio.run(run_built(spec, edges, total, started)))
+        if started != CANCEL:
+            conn.send(asyncio.run(run_built(spec, edges, total, started)))
 
 
 class ClientWorkers:
@@ -47,32 +52,55 @@ class ClientWorkers:
             core = cores[i % len(cores)] if cores else None
             proc = ctx.Process(target=_serve, args=(child, core), daemon=True, name=f"loadgen-{i}")
             proc.start()
+            child.close()  # the worker's end: with it closed here, a dead worker reads as one
             self._conns.append(parent)
             self._procs.append(proc)
 
     def __len__(self) -> int:
         return len(self._procs)
 
+    def _answer(self, i: int) -> object:
+        """Worker i's next message; RuntimeError where the worker died instead."""
+        conn, proc = self._conns[i], self._procs[i]
+        wait([conn, proc.sentinel])
+        if conn.poll():
+            return conn.recv()
+        raise RuntimeError(f"load-generator process {i} died (exit code {proc.exitcode})")
+
     def run(self, spec: LoadSpec, sessions: list[tuple[int, str]]) -> list[LoadRun]:
         """Blocking: deal the sessions round-robin to the workers, start them all at once
-        when all are built, and wait for all of them."""
+        when all are built, and wait for all of them. Raises RuntimeError, the point called
+        off in every worker, where one could not build its sessions or died."""
         busy = []
         for i, conn in enumerate(self._conns):
             part = sessions[i :: len(self._conns)]
             if part:
                 conn.send((spec, part, len(sessions)))
-                busy.append(conn)
-        for conn in busy:
-            if (said := conn.recv()) != READY:
-                raise RuntimeError(f"a load-generator process answered {said!r} instead of {READY!r}")
+                busy.append(i)
+        answers: dict[int, object] = {}
+        problems = []
+        for i in busy:
+            try:
+                answers[i] = self._answer(i)
+            except RuntimeError as exc:
+                problems.append(str(exc))
+        problems += [f"load-generator process {i} {said}" for i, said in answers.items() if said != READY]
+        if problems:
+            for i, said in answers.items():
+                if said == READY:
+                    self._conns[i].send(CANCEL)
+            raise RuntimeError("; ".join(problems))
         started = time.monotonic() + START_LEAD_S
-        for conn in busy:
-            conn.send(started)
-        return [conn.recv() for conn in busy]
+        for i in busy:
+            self._conns[i].send(started)
+        return [self._answer(i) for i in busy]  # type: ignore[misc]
 
     def close(self) -> None:
         for conn in self._conns:
-            conn.send(None)
+            try:
+                conn.send(None)
+            except OSError:  # a worker that died has no pipe left to tell
+                pass
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():

@@ -70,7 +70,7 @@ class LogBesideText(logging.StreamHandler):  # type: ignore[type-arg]
 
     def __init__(self, shares_terminal: bool) -> None:
         super().__init__(sys.stderr)
-        self.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))  # as Python's own warnings read
+        self.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))  # the level first: WARNING: ...
         self.shares_terminal = shares_terminal
         self.shown: TextStream | None = None
 
