@@ -55,7 +55,8 @@ def render(c: dict, source: str, out: str = "bench/results/capacity-gpu") -> str
         "To rerun, on a machine with the same device, from the repository root after `make venv` "
         "(or with the three packages on PYTHONPATH):", "",
         f"    {c['rerun']}",
-        f"    python bench/loadtest/capacity.py {source} --out {out}", "",
+        # The load test's rerun line writes its report to OUT_DIR.
+        f"    python bench/loadtest/capacity.py OUT_DIR/{Path(source).name} --out {out}", "",
     ])
 
 
