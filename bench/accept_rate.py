@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from cli_types import core, int_list, out_dir, report_name
+from cli_types import at_least, core, int_list, out_dir, report_name
 from orchestrate import free_port, machine, pin, server_and_edge_cores
 from specsplit.server.listeners import bind_listeners
 
@@ -149,9 +149,9 @@ def render(report: dict, name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listeners", type=int_list, default="1,2,4,8", help="listener counts to compare, comma-separated (default 1,2,4,8)")
-    p.add_argument("--callers", type=int, default=64, help="concurrent callers, each on its own connection (default 64)")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per listener count (default 5)")
-    p.add_argument("--turn-ms", type=float, default=2.0,
+    p.add_argument("--callers", type=at_least(1), default=64, help="concurrent callers, each on its own connection (default 64)")
+    p.add_argument("--duration", type=at_least(0, float, above=True), default=5.0, help="seconds per listener count (default 5)")
+    p.add_argument("--turn-ms", type=at_least(0, float), default=2.0,
                    help="other work in every turn of the server's event loop, in ms (default 2)")
     p.add_argument("--server-core", type=core, help="pin the server to this core (default: the last)")
     p.add_argument("--client-core", type=core, help="pin the callers to this core (default: the first)")
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         asyncio.run(_serve(listeners[0], args.port, args.turn_ms / 1000))
         return 0
-    if min(listeners) < 1 or args.callers < 1 or args.duration <= 0 or args.turn_ms < 0:
-        p.error("listener counts and callers must be at least 1, the duration above 0, --turn-ms not negative")
+    if min(listeners) < 1:
+        p.error("--listeners: listener counts must be at least 1")
     server_cores, client_cores = server_and_edge_cores()
     if args.server_core is None and server_cores:
         args.server_core = server_cores[0]

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from specsplit.common.address import check_host_port
 from specsplit.common.export_meta import DraftExportMeta
 
 
@@ -127,10 +128,11 @@ def draft_export(text: str) -> Path:
 
 
 def host_port(text: str) -> str:
-    """HOST:PORT with a port from 1 to 65535."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"give HOST:PORT with a port from 1 to 65535: {text!r}")
+    """HOST:PORT with a port from 1 to 65535 (`check_host_port`, as the edge takes it)."""
+    try:
+        check_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}: {text!r}") from None
     return text
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from cli_types import fraction
+from cli_types import at_least, fraction
 from loadtest.machine import machine_info
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
@@ -131,15 +131,13 @@ def render(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sessions", type=int, default=192, help="sessions in every pass (default 192)")
-    p.add_argument("--passes", type=int, default=60, help="timed passes per repeat (default 60)")
-    p.add_argument("--repeats", type=int, default=3, help="repeats; each part's least is kept (default 3)")
+    p.add_argument("--sessions", type=at_least(1), default=192, help="sessions in every pass (default 192)")
+    p.add_argument("--passes", type=at_least(1), default=60, help="timed passes per repeat (default 60)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="repeats; each part's least is kept (default 3)")
     p.add_argument("--window", type=int, default=16, help="async edges' lookahead (default 16)")
     p.add_argument("--alpha", type=fraction, default=0.68, help="async edges' per-draft acceptance (default 0.68)")
     p.add_argument("--out", type=Path, default=Path("bench/results/host-cost"), help="writes OUT.json and OUT.md")
     args = p.parse_args(argv)
-    if args.sessions < 1 or args.passes < 1 or args.repeats < 1:
-        p.error("--sessions, --passes and --repeats must be at least 1")
     torch.set_num_threads(1)
     results = []
     for mode in (DraftMode.NONE, DraftMode.ASYNC):

@@ -64,7 +64,7 @@ def run_script(script: str, args: list[str], cores: list[int] | None) -> list[di
 
 
 def _window(text: str) -> str:
-    async_window(text)  # refuses what it cannot take
+    async_window(text)  # refuses what it cannot take; the report keeps the text
     return text
 
 
@@ -78,13 +78,14 @@ def async_window(window: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    all_prompts = benchmark_prompts()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
     p.add_argument("--name", type=report_name, required=True,
                    help="writes NAME.json and NAME.md in --out (the make targets use full, quick and rtt50)")
     p.add_argument("--rtt-ms", type=at_least(0, float), nargs="+", default=[50, 0, 20, 100],
                    help="RTTs to sweep, in the order measured (the goal's 50 ms first)")
     p.add_argument("--prompts", type=at_least(0), default=0,
-                   help=f"use the first N of the {len(benchmark_prompts())} prompts (default 0: all)")
+                   help=f"use the first N of the {len(all_prompts)} prompts (default 0: all)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     p.add_argument("--sync-k", type=at_least(1), nargs="+", default=[2, 4, 6, 8], help="drafts per round of sync")
     p.add_argument("--window", type=_window, default="auto",
@@ -100,14 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the runs already in <out>/<name>.json (same settings) and measure only the missing ones")
     p.add_argument("--out", type=out_dir, default=HERE / "results", help="where (default: bench/results)")
     args = p.parse_args(argv)
-    if args.prompts > len(benchmark_prompts()):
-        p.error(f"--prompts: there are {len(benchmark_prompts())} prompts, not {args.prompts}")
+    if args.prompts > len(all_prompts):
+        p.error(f"--prompts: there are {len(all_prompts)} prompts, not {args.prompts}")
     async_args = async_window(args.window)
 
     server_cores, edge_cores = server_and_edge_cores()
     if edge_cores:
         os.sched_setaffinity(0, edge_cores)  # the driver and the proxy stay off the server's core
-    prompts = benchmark_prompts()
+    prompts = all_prompts
     prompts = prompts[: args.prompts] if args.prompts else prompts
     pair = models.prepare()
     header = {

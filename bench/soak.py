@@ -106,14 +106,15 @@ def main() -> int:
     out = args.out_dir / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(
+    note = (
         f"# Soak: {args.sessions} concurrent sessions for {args.minutes:g} min\n\n"
         f"- {report['setup']}\n- generations completed: {result['generations']}, tokens: {result['tokens']}\n"
         f"- errors by status: {result['errors'] or 'none'}\n"
         f"- server RSS {judged_from} {report['rss_after_warmup_mb']:.0f} MB, at the end "
         f"{report['rss_end_mb']:.0f} MB ({growth:+.1%}; margin {args.margin:.0%})\n- result: "
         f"{'PASS' if passed else 'FAIL'}\n\nRerun: `make soak`.\n")
-    print(out.with_suffix(".md").read_text())
+    out.with_suffix(".md").write_text(note)
+    print(note)
     return 0 if passed else 1
 
 

@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(c, indent=2) + "\n")
     # Named where the report is kept (bench/results/), not where this run read it from.
-    md_path.write_text(render(c, f"bench/results/{args.report.name}", f"bench/results/{args.out.name}"))
-    print(md_path.read_text())
+    note = render(c, f"bench/results/{args.report.name}", f"bench/results/{args.out.name}")
+    md_path.write_text(note)
+    print(note)
     return 0
 
 

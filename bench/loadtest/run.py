@@ -22,9 +22,8 @@ if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse  # noqa: E402
-import os  # noqa: E402
 
-from cli_types import at_least, cores, draft_export, int_list, model_dir, out_dir, report_name  # noqa: E402
+from cli_types import START_CORES, at_least, cores, draft_export, int_list, model_dir, out_dir, report_name  # noqa: E402
 from loadtest.harness import RunOptions, execute  # noqa: E402
 from loadtest.prompts import PROMPT_SETS  # noqa: E402
 from loadtest.report import write_report  # noqa: E402
@@ -32,6 +31,7 @@ from loadtest.rerun import rerun_command  # noqa: E402
 from loadtest.sessions import LoadSettings  # noqa: E402
 from loadtest.sweep import MODES, SweepConfig  # noqa: E402
 from loadtest.targets import ARCHS  # noqa: E402
+from orchestrate import server_and_edge_cores  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # Local paths, kept out of the reports' rerun line.
@@ -42,11 +42,10 @@ def split_cores(server: tuple[int, ...] | None,
                 client: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Server and load generator cores; by default the server gets the last core and the
     load generator the others (no pinning on a single core)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if server is None:
-        server = (cores[-1],) if len(cores) >= 2 else ()
+        server = tuple(server_and_edge_cores()[0] or ())
     if client is None:
-        client = tuple(c for c in cores if c not in server) if server else ()
+        client = tuple(c for c in sorted(START_CORES) if c not in server) if server else ()
     return server, client
 
 

@@ -15,6 +15,7 @@ from typing import TextIO
 
 import grpc
 
+from specsplit.common.address import check_host_port
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 from specsplit.common.tls import client_credentials
 from specsplit.edge.branching import MIN_CHANCE
@@ -127,18 +128,17 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText) -> int
         branch_tokens=args.branch_tokens,
         branches=args.branches,
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+        sampling=args.sampling,
         verification=VERIFICATION[args.verification] if args.verification else None,
         sparse_top_k=args.sparse_top_k,
         stop_ids=tuple(args.stop_id),
         timeline=args.timeline,
     )
-    servers = server_list(args.server)
     connect = connect_options(args)
     stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
     # Every prompt's generation on one kept stream (a new Open after each Done, no new call),
     # which moves to the next server only when its own fails.
-    channels = [open_channel(server, connect) for server in servers]
+    channels = [open_channel(server, connect) for server in args.servers]
     stream = GenerateStream.on(*channels)
     try:
         async for prompt in _prompts(args):
@@ -249,25 +249,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_list(servers: str) -> list[str]:
-    """The comma-separated --server entries; ValueError unless each is HOST:PORT with a real
-    port (IPv6 hosts in brackets) or a unix: socket: gRPC takes a missing port as 443 and
-    wraps one past 65535 around."""
+    """The comma-separated --server entries; ValueError unless each is HOST:PORT
+    (`check_host_port`) or a unix: socket."""
     entries = [s.strip() for s in servers.split(",") if s.strip()]
     if not entries:
         raise ValueError("--server: give HOST:PORT")
     for server in entries:
         if server.startswith(("unix:", "unix-abstract:")):
             continue
-        host, sep, port = server.rpartition(":")
-        bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
-        if not sep or not host or bare_ipv6 or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
-            raise ValueError(f"--server {server!r}: give HOST:PORT ([IPV6]:PORT), with a port from 1 to 65535")
+        try:
+            check_host_port(server)
+        except ValueError as exc:
+            raise ValueError(f"--server {server!r}: {exc}") from None
     return entries
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the first setting that no generation can run with."""
-    server_list(args.server)
+    """Raise ValueError naming the first setting that no generation can run with. Keeps what
+    it parsed on `args`: `servers` and `sampling`."""
+    args.servers = server_list(args.server)
     at_least = {"--max-new-tokens": (args.max_new_tokens, 1), "--window": (args.window, 1), "--k": (args.k, 1),
                 "--threads": (args.threads, 0), "--sparse-top-k": (args.sparse_top_k, 1),
                 "--retries": (args.retries, 0), "--seed": (args.seed, 0),
@@ -279,8 +279,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--stop-id takes token ids (0 or more), got {min(args.stop_id)}")
     if not args.stall_timeout > 0:
         raise ValueError(f"--stall-timeout must be above 0, got {args.stall_timeout}")
+    args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     try:  # the server's own rules for them, checked here before anything is loaded
-        SamplingParams(args.temperature, args.top_p, args.top_k, args.seed).validate()
+        args.sampling.validate()
     except ProtocolError as exc:
         raise ValueError(exc.message) from None
     if args.verification == "greedy" and args.temperature > 0:

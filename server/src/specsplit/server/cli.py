@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.serve_checks import check_serve_args
 
     try:
-        check_serve_args(args)
+        tokens = check_serve_args(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -138,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         tls=tls,
-        tokens_file=Path(args.tokens_file) if args.tokens_file else None,
+        tokens=tokens,
         listeners=args.listeners,
     )
     asyncio.run(serve(engine, sched, cfg))

@@ -22,12 +22,11 @@ class PaceLog:
     """Tokens committed to one device over time."""
 
     def __init__(self, now: float) -> None:
-        self._points: deque[tuple[float, int]] = deque([(now, 0)])  # (time, tokens committed so far)
-        self._total = 0
+        # (time, tokens committed so far); the last point holds the total, never trimmed
+        self._points: deque[tuple[float, int]] = deque([(now, 0)])
 
     def commit(self, now: float, tokens: int) -> None:
-        self._total += tokens
-        self._points.append((now, self._total))
+        self._points.append((now, self._points[-1][1] + tokens))
         self._trim(now)  # a device served alone is never asked its rate, and may stream for hours
 
     def _trim(self, now: float) -> None:
@@ -41,7 +40,7 @@ class PaceLog:
         since, committed = self._points[0]
         if since > now - PACE_WINDOW_S:
             return None
-        return (self._total - committed) / (now - since)
+        return (self._points[-1][1] - committed) / (now - since)
 
     @classmethod
     def for_next(cls, last: PaceLog | None, now: float) -> PaceLog:

@@ -22,9 +22,10 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_serve_args(args: argparse.Namespace) -> None:
+def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
     """Raise ValueError (or OSError, for files and ports) naming the first setting `serve`
-    cannot run with."""
+    cannot run with. Returns the devices' tokens (token -> device id) where a --tokens-file
+    is given: read here once, as a pipe can be read only once."""
     for name in AT_LEAST_ONE:
         if getattr(args, name) < 1:
             raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(args, name)}")
@@ -42,8 +43,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
                        ("--tls-client-ca", args.tls_client_ca), ("--tokens-file", args.tokens_file)):
         if path is not None and (not Path(path).exists() or Path(path).is_dir()):
             raise OSError(f"{flag} {path}: no such file")
-    if args.tokens_file is not None and Path(args.tokens_file).is_file():  # a pipe could be read only once
-        load_tokens(Path(args.tokens_file))  # its own errors name the line
+    tokens = load_tokens(Path(args.tokens_file)) if args.tokens_file is not None else None  # errors name the line
     check_port_free(args.host, args.port)
     if args.metrics_host is not None and args.metrics_port is None:
         raise ValueError("--metrics-host places the metrics: give their --metrics-port too")
@@ -51,3 +51,4 @@ def check_serve_args(args: argparse.Namespace) -> None:
         if args.metrics_port == args.port or not 1 <= args.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be a port from 1 to 65535 other than --port, got {args.metrics_port}")
         check_port_free(args.metrics_host or args.host, args.metrics_port)
+    return tokens

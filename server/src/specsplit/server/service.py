@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -18,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
-from specsplit.server.auth import BearerTokenInterceptor, TLSConfig, load_tokens
+from specsplit.server.auth import BearerTokenInterceptor, TLSConfig
 from specsplit.server.engine import Engine
 from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
 from specsplit.server.listeners import bind_listeners, check_listeners
@@ -47,7 +46,7 @@ class ServeConfig:
     metrics_port: int | None = None
     metrics_host: str | None = None  # None: the serving host
     tls: TLSConfig | None = None
-    tokens_file: Path | None = None
+    tokens: dict[str, str] | None = None  # token -> device id (auth.load_tokens); None: no tokens asked
     # Keepalive: a vanished edge is noticed within about keepalive_s + keepalive_timeout_s.
     keepalive_s: float = 20.0
     keepalive_timeout_s: float = 10.0
@@ -251,7 +250,7 @@ async def serve(
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    interceptors = [BearerTokenInterceptor(load_tokens(cfg.tokens_file))] if cfg.tokens_file else []
+    interceptors = [BearerTokenInterceptor(cfg.tokens)] if cfg.tokens is not None else []
     service = SpecSplitService(worker, limits, cfg, metrics)
     health_servicer = health.aio.HealthServicer()
 
