@@ -69,6 +69,18 @@ def test_a_missing_source_is_refused_before_anything_is_pulled(tmp_path, monkeyp
         models.prepare("no-such-pair", root=tmp_path)
 
 
+def test_loading_and_preparing_read_a_source_by_one_rule(tiny, tmp_path, monkeypatch) -> None:
+    # Written as a path and missing: refused before transformers takes it for a hub id.
+    for missing in (".hidden/model", "../no/such/model", "nowhere.gguf", "~/no/such/model"):
+        with pytest.raises(FileNotFoundError, match=f"model {missing} does not exist"):
+            load_model(missing)
+    monkeypatch.setenv("HOME", str(tiny.target_dir.parent))
+    assert load_model(f"~/{tiny.target_dir.name}").fingerprint == load_model(str(tiny.target_dir)).fingerprint
+    (tmp_path / "dir.gguf").mkdir()
+    with pytest.raises(FileNotFoundError, match="is not a GGUF file"):
+        load_model(str(tmp_path / "dir.gguf"))
+
+
 def test_a_draft_exported_with_another_tokenizer_is_refused(tiny, tmp_path) -> None:
     models.check_same_tokenizer(tiny.target_dir, tiny.draft_dir)  # the tiny pair shares one
     other = tmp_path / "other-draft"

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from specsplit.common.fingerprint import vocab_fingerprint
 from specsplit.server.row_invariant import make_rows_invariant
+from specsplit.server.sources import local_source
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,6 +39,11 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bf16" if device != "cpu" or cpu_has_fast_bf16() else "fp32"
 
 
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What the edge's tokenizer must match; transformers' vocabulary holds the added tokens."""
+    return vocab_fingerprint(tokenizer.get_vocab())
+
+
 @dataclass
 class LoadedModel:
     model: PreTrainedModel
@@ -46,7 +52,7 @@ class LoadedModel:
 
     @property
     def fingerprint(self) -> str:
-        return vocab_fingerprint(self.tokenizer.get_vocab())
+        return tokenizer_fingerprint(self.tokenizer)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -60,13 +66,12 @@ class LoadedModel:
 
 def _split_gguf(path: str) -> tuple[str, dict]:
     """transformers takes a GGUF as (directory, gguf_file=name)."""
+    path = local_source(path, "model")
     p = Path(path)
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise FileNotFoundError(f"GGUF file {p} does not exist")
+            raise FileNotFoundError(f"{p} is not a GGUF file")
         return str(p.parent), {"gguf_file": p.name}
-    if not p.exists() and path.startswith(("/", "./", "../", "~")):
-        raise FileNotFoundError(f"{p} does not exist")  # not a hub id either
     if p.exists() and not (p / "config.json").is_file():
         raise FileNotFoundError(f"{p} is neither a GGUF file nor a Hugging Face model directory (no config.json)")
     return path, {}

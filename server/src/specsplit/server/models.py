@@ -25,6 +25,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specsplit.server.sources import local_source
+
 log = logging.getLogger(__name__)
 
 
@@ -301,28 +303,16 @@ def _prepared_name(source: str) -> str:
     return f"{p.stem if p.suffix == '.gguf' else p.name}-{tag}"
 
 
-def _given_source(source: str | None, flag: str) -> str | None:
-    """A --target or --draft as prepare uses it (~ expanded). One written as a path (absolute,
-    relative with ./, ~, or a .gguf file) must exist: found missing only after pulling the
-    default pair, it cost a 1.6 GB download first."""
-    if source is None:
-        return None
-    path = Path(source).expanduser()
-    if not path.exists() and (source.startswith(("/", ".", "~")) or source.endswith(".gguf")):
-        raise FileNotFoundError(f"{flag} {source} does not exist")
-    return str(path) if source.startswith("~") else source
-
-
 def check_same_tokenizer(target: Path, draft: Path) -> None:
     """Raise ValueError unless the draft was exported with the target's tokenizer: otherwise
     every generation would be refused (FAILED_PRECONDITION) long after preparing."""
     from transformers import AutoTokenizer
 
     from specsplit.common.export_meta import DraftExportMeta
-    from specsplit.common.fingerprint import vocab_fingerprint
+    from specsplit.server.loading import tokenizer_fingerprint
 
     theirs = DraftExportMeta.load(draft).tokenizer_fingerprint
-    ours = vocab_fingerprint(AutoTokenizer.from_pretrained(str(target)).get_vocab())
+    ours = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(target)))
     if theirs != ours:
         raise ValueError(f"the draft {draft} has another tokenizer than the target {target} "
                          f"(fingerprints {theirs} and {ours}): a pair must share one")
@@ -337,8 +327,8 @@ def prepare(
 ) -> PreparedPair:
     """Prepared target and draft; sources default to the pair's GGUF files (only those pulled)."""
     draft_spec, target_spec = _specs(pair)
-    target_source = _given_source(target_source, "--target")
-    draft_source = _given_source(draft_source, "--draft")
+    target_source = None if target_source is None else local_source(target_source, "--target")
+    draft_source = None if draft_source is None else local_source(draft_source, "--draft")
     root = root or cache_dir()
     if target_source is None:
         target = prepare_target(pull_one(target_spec, root), root / "prepared" / f"{target_spec.name}-bf16")
