@@ -114,6 +114,7 @@ def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, ru
     finally:
         workers.close()
     assert len(runs) == 2 and runs[0].started == runs[1].started
+    assert [[(s.index, s.process) for s in run.sessions] for run in runs] == [[(0, 0), (2, 0)], [(1, 1), (3, 1)]]
     for run in (*runs, *again):
         assert all(not s.errors and s.records for s in run.sessions)
         assert all(s.records[0].started_at >= run.started for s in run.sessions)  # none began before the start
@@ -303,22 +304,22 @@ def test_server_speed_is_over_the_set_window_though_processes_start_apart() -> N
 
 
 def test_sessions_are_also_summed_up_by_the_load_generator_process_that_ran_them() -> None:
-    """Sessions are dealt round robin: with two processes, even sessions ran in the first.
-    There they generated the whole window at 20 tokens/s; in the second, at 20 tokens/s while
+    """Even sessions ran in the first of two processes. There they generated the whole window at 20 tokens/s; in the second, at 20 tokens/s while
     generating but for only half the window (waiting between generations)."""
     def generations(tokens: int, elapsed_s: float, second_at: float) -> list[GenerationRecord]:
         return [_generation(tokens, elapsed_s, tokens),
                 replace(_generation(tokens, elapsed_s, tokens), started_at=second_at)]
 
     sessions = [SessionLog(i, "none", generations(100, 5.0, 5.0) if i % 2 == 0 else generations(50, 2.5, 7.5),
-                           window_s=10.0) for i in range(4)]
+                           window_s=10.0, process=i % 2) for i in range(4)]
     first, second = by_process(sessions, 2)
     assert (first["sessions"], second["sessions"]) == (2, 2)
     assert (first["tok_s_mean"], second["tok_s_mean"]) == (pytest.approx(20.0), pytest.approx(10.0))
     assert (first["generating_share"], second["generating_share"]) == (pytest.approx(1.0), pytest.approx(0.5))
     assert first["ttft_ms"]["count"] == 4 and first["ttft_ms"]["p50"] == pytest.approx(100.0)
-    # More processes than sessions: the idle ones are left out, not counted at 0 tokens/s.
-    assert [p["process"] for p in by_process(sessions, 6)] == [0, 1, 2, 3]
+    # Processes without a session are left out, not counted at 0 tokens/s.
+    moved = [replace(s, process=3 * s.process) for s in sessions]
+    assert [(p["process"], p["sessions"]) for p in by_process(moved, 6)] == [(0, 2), (3, 2)]
 
 
 @pytest.mark.parametrize("adaptive", [True, False])

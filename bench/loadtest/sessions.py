@@ -114,6 +114,7 @@ class SessionLog:
     # From its first generation's start, or the measured window's opening if later, to the
     # deadline; None without a deadline.
     window_s: float | None = None
+    process: int = 0  # the load-generator process that drove it
 
     @property
     def tokens_per_s_under_load(self) -> float:
@@ -166,13 +167,13 @@ def _record(result: GenerationResult, reference: tuple[int, ...], started: float
 
 
 class _Session:
-    def __init__(self, spec: LoadSpec, index: int, kind: str) -> None:
+    def __init__(self, spec: LoadSpec, index: int, kind: str, process: int = 0) -> None:
         if kind not in KINDS:
             raise ValueError(f"session kind must be one of {sorted(KINDS)}, got {kind!r}")
         if kind == "onnx" and spec.draft_dir is None:
             raise ValueError("onnx sessions need a draft directory")
         self.spec = spec
-        self.log = SessionLog(index, kind)
+        self.log = SessionLog(index, kind, process=process)
         load = spec.settings
         self.cfg = EdgeConfig(mode=KINDS[kind], window=load.window, adaptive_window=load.adaptive_window,
                               max_new_tokens=load.max_new_tokens, timeline=True)
@@ -231,9 +232,10 @@ class _Session:
                 stream.close()
 
 
-def build_sessions(spec: LoadSpec, sessions: list[tuple[int, str]]) -> list[_Session]:
-    """The sessions (index, kind), built before the clock starts."""
-    return [_Session(spec, index, kind) for index, kind in sessions]
+def build_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], process: int = 0) -> list[_Session]:
+    """The sessions (index, kind) that load-generator process `process` drives, built before
+    the clock starts."""
+    return [_Session(spec, index, kind, process) for index, kind in sessions]
 
 
 async def run_built(spec: LoadSpec, edges: list[_Session], total: int, started: float) -> LoadRun:

@@ -41,8 +41,7 @@ def generating_share(records: list[GenerationRecord]) -> float | None:
 
 
 def by_process(sessions: list[SessionLog], procs: int) -> list[dict]:
-    """The sessions of each load-generator process (dealt round robin: session i to process
-    i mod procs), side by side; processes left without a session are left out. Server-only
+    """The sessions of each load-generator process, side by side; processes left without a session are left out. Server-only
     GPU points showed every session of a process at one speed and the processes apart by up
     to a sixth (the server's pacing, docs/capacity.md). Only what ran under the point's load
     is compared: the generations that run on past the deadline, with ever fewer sessions,
@@ -50,7 +49,7 @@ def by_process(sessions: list[SessionLog], procs: int) -> list[dict]:
     in anything pooled over whole generations."""
     out = []
     for proc in range(procs):
-        mine = [s for s in sessions if s.index % procs == proc]
+        mine = [s for s in sessions if s.process == proc]
         if not mine:
             continue
         records = [r for s in mine for r in s.records]

@@ -24,13 +24,13 @@ READY, CANCEL = "ready", "cancel"
 START_LEAD_S = 0.2
 
 
-def _serve(conn: Connection, core: int | None) -> None:
+def _serve(conn: Connection, core: int | None, process: int) -> None:
     if core is not None:
         os.sched_setaffinity(0, {core})
     while (job := conn.recv()) is not None:
         spec, sessions, total = job
         try:
-            edges = build_sessions(spec, sessions)  # ONNX drafters take a while: before the start
+            edges = build_sessions(spec, sessions, process)  # ONNX drafters take a while: before the start
         except Exception as exc:  # told to the parent, which calls the point off in every worker
             conn.send(f"could not build its sessions: {exc!r}")
             continue
@@ -50,7 +50,7 @@ class ClientWorkers:
         for i in range(procs):
             parent, child = ctx.Pipe()
             core = cores[i % len(cores)] if cores else None
-            proc = ctx.Process(target=_serve, args=(child, core), daemon=True, name=f"loadgen-{i}")
+            proc = ctx.Process(target=_serve, args=(child, core, i), daemon=True, name=f"loadgen-{i}")
             proc.start()
             child.close()  # the worker's end: with it closed here, a dead worker reads as one
             self._conns.append(parent)
