@@ -2,6 +2,8 @@
 one usage line, and the program ends cleanly on errors and on Ctrl-C."""
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +28,10 @@ from specsplit.edge.cli import main, server_list
     (["--verification", "sparse-q"], "give --temperature above 0"),  # it would run greedy without a word
     (["--temperature", "-1"], "temperature must be in [0, 100]"),
     (["--top-k", "-1"], "top_k must be >= 0"),
+    (["--server", "a:1,b:2", "--retries", "0"], "leaves no attempt for the last of the 2 servers"),
+    (["--timeline"], "--timeline is written to --stats-json"),
+    (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: No such file or directory"),
+    (["--tls-ca", __file__], f"--tls-ca {__file__} is not a PEM file"),  # gRPC would fail every handshake
 ])
 def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -33,6 +39,16 @@ def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err
     assert err.startswith("usage: specsplit-edge generate")  # the command's own usage
+
+
+def test_an_empty_prompt_and_a_token_grpc_cannot_send_are_refused(capsys, monkeypatch) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--server", "127.0.0.1:50051", "--draft", "unused", "  "])
+    assert "PROMPT is empty" in capsys.readouterr().err
+    monkeypatch.setenv("SPECSPLIT_TOKEN", "secret\r")  # a line end copied from a file: every call INTERNAL
+    with pytest.raises(SystemExit):
+        main(["generate", "--server", "127.0.0.1:50051", "--draft", "unused", "hi"])
+    assert "$SPECSPLIT_TOKEN: the bearer token must be printable ASCII" in capsys.readouterr().err
 
 
 def test_top_p_zero_is_taken_as_the_protocol_takes_it() -> None:
@@ -54,6 +70,55 @@ def test_a_prompts_file_that_cannot_be_read_is_an_error_line(tiny, tmp_path, cap
     assert "Is a directory" in capsys.readouterr().err
     assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"), "hi"]) == 2
     assert "nowhere does not exist" in capsys.readouterr().err
+
+
+def test_files_are_checked_before_the_draft_loads_and_named_by_their_option(tmp_path, capsys) -> None:
+    for flag in ("--prompts-file", "--stats-json"):
+        extra = [flag, str(tmp_path / "no" / "such.txt")] + (["hi"] if flag == "--stats-json" else [])
+        assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"), *extra]) == 2
+        assert capsys.readouterr().err == f"error: {flag} {tmp_path / 'no' / 'such.txt'}: No such file or directory\n"
+
+
+def test_a_prompts_file_that_is_not_utf8_is_an_error(tiny, tmp_path, capsys) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"hello\n\xff bad\n")
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny.draft_dir),
+                 "--prompts-file", str(prompts)]) == 2  # was: a thread's traceback, nothing done, exit 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --prompts-file {prompts}: not UTF-8 text") and "Traceback" not in err
+
+
+def _broken_export(tiny, tmp_path, name: str, damage) -> str:  # type: ignore[no-untyped-def]
+    export = tmp_path / name
+    shutil.copytree(tiny.draft_dir, export)
+    damage(export)
+    return str(export)
+
+
+def _edit_meta(change):  # type: ignore[no-untyped-def]
+    def damage(export) -> None:  # type: ignore[no-untyped-def]
+        meta = json.loads((export / "specsplit.json").read_text())
+        change(meta)
+        (export / "specsplit.json").write_text(json.dumps(meta))
+    return damage
+
+
+@pytest.mark.parametrize(("name", "damage", "message"), [
+    ("no-model", lambda e: (e / "model.onnx").unlink(), "has no model.onnx"),
+    ("cut-model", lambda e: (e / "model.onnx").write_bytes((e / "model.onnx").read_bytes()[:1000]),
+     "ONNX Runtime cannot load"),
+    ("bad-tokenizer", lambda e: (e / "tokenizer.json").write_text('{"model": 1}'), "is not a tokenizer"),
+    ("bad-meta-json", lambda e: (e / "specsplit.json").write_text("{"), "specsplit.json is not valid JSON"),
+    ("meta-lacks", _edit_meta(lambda m: m.pop("eos_ids")), "specsplit.json lacks eos_ids"),
+    ("meta-newer", _edit_meta(lambda m: m.update(new_field=1)), "fields this version does not know (new_field)"),
+    ("bad-template", lambda e: (e / "chat_template.jinja").write_text("{% if %}"), "chat template in"),
+    ("other-model", _edit_meta(lambda m: m.update(num_layers=m["num_layers"] + 1)), "does not take the inputs"),
+])
+def test_a_damaged_draft_export_is_one_error_line(tiny, tmp_path, capsys, name, damage, message) -> None:
+    export = _broken_export(tiny, tmp_path, name, damage)
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", export, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_ctrl_c_at_an_interactive_prompt_ends_the_program(tiny) -> None:

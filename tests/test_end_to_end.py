@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from functools import lru_cache
@@ -13,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specsplit.edge.client import EdgeConfig, generate
+from specsplit.edge.client import ConnectOptions, EdgeConfig, OnCommitFailed, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.messages import SamplingParams, VerificationMode
@@ -208,3 +209,34 @@ def test_health_and_reflection(server) -> None:
     with grpc.insecure_channel(server) as ch:
         services = ProtoReflectionDescriptorDatabase(ch).get_services()
     assert "specsplit.v1.SpecSplit" in services and "grpc.health.v1.Health" in services
+
+
+def test_an_on_commit_that_raises_ends_the_generation_unretried(tiny, server) -> None:
+    """A closed stdout raises BrokenPipeError, an OSError as a lost connection is: it was
+    retried five times, generating the text again each time, then raised."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    calls = []
+
+    def closed_stdout(generated: list[int]) -> None:
+        calls.append(len(generated))
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(OnCommitFailed) as failed:
+        run(server, tok.encode("hello"), EdgeConfig(max_new_tokens=8), tiny.draft_dir, on_commit=closed_stdout,
+            connect=ConnectOptions(retries=5, backoff_s=0.01))
+    assert isinstance(failed.value.__cause__, BrokenPipeError) and len(calls) == 1
+
+
+def test_edge_cli_stops_quietly_when_its_reader_goes(tiny, server) -> None:
+    """`specsplit-edge generate ... | head -c 1`: the pipe's reader gone, nothing to retry."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
+             "--max-new-tokens", "8", "--raw", "hello"],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr

@@ -22,6 +22,7 @@ from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
     ConnectOptions,
+    OnCommitFailed,
     EdgeConfig,
     GenerationResult,
     StreamStalled,
@@ -81,17 +82,16 @@ class LogBesideText(logging.StreamHandler):  # type: ignore[type-arg]
         super().emit(record)
 
 
-async def _prompts(args: argparse.Namespace) -> AsyncIterator[str]:
-    """PROMPT, or the lines of --prompts-file as they come (standard input for '-', so a
-    person can type them one by one), blank lines skipped."""
-    if args.prompts_file is None:
+async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIterator[str]:
+    """PROMPT, or the lines of --prompts-file (`source`, open) as they come (standard input
+    for '-', so a person can type them one by one), blank lines skipped."""
+    if source is None:
         yield args.prompt
         return
-    source = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
     loop = asyncio.get_running_loop()
-    lines: asyncio.Queue[str] = asyncio.Queue()
+    lines: asyncio.Queue[str | Exception] = asyncio.Queue()
 
-    def hand(line: str) -> None:
+    def hand(line: str | Exception) -> None:
         try:
             loop.call_soon_threadsafe(lines.put_nowait, line)
         except RuntimeError:  # the program has ended meanwhile
@@ -103,20 +103,45 @@ async def _prompts(args: argparse.Namespace) -> AsyncIterator[str]:
         try:
             while line := source.readline():
                 hand(line)
+            hand("")
+        except (OSError, UnicodeDecodeError) as exc:  # raised on the loop's side, where it ends the run
+            hand(exc)
         finally:
             if source is not sys.stdin:
                 source.close()
-            hand("")
 
     # A thread of its own that nothing waits for at exit: a read blocked on a terminal would
     # otherwise keep Ctrl-C from ending the program until Enter was pressed.
     threading.Thread(target=read, daemon=True, name="prompts").start()
     while line := await lines.get():
+        if isinstance(line, UnicodeDecodeError):
+            raise ValueError(f"--prompts-file {args.prompts_file}: not UTF-8 text ({line})")
+        if isinstance(line, Exception):
+            raise OSError(f"--prompts-file {args.prompts_file}: {line}")
         if line.strip():
             yield line.rstrip("\n")
 
 
-async def _generate(args: argparse.Namespace, log_handler: LogBesideText) -> int:
+def open_files(args: argparse.Namespace) -> tuple[TextIO | None, TextIO | None]:
+    """--prompts-file (None for PROMPT) and --stats-json, opened before the draft is loaded,
+    so that a wrong path costs a second; OSError naming the option otherwise."""
+    prompts = stats = None
+    try:
+        if args.prompts_file is not None:
+            flag = "--prompts-file"
+            prompts = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
+        if args.stats_json:
+            flag = "--stats-json"
+            stats = open(args.stats_json, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as exc:
+        if prompts is not None and prompts is not sys.stdin:
+            prompts.close()
+        raise OSError(f"{flag} {exc.filename}: {exc.strerror}") from None
+    return prompts, stats
+
+
+async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompts: TextIO | None,
+                    stats_file: TextIO | None) -> int:
     directory = Path(args.draft)
     tokenizer = EdgeTokenizer(directory)
     drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
@@ -134,14 +159,13 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText) -> int
         stop_ids=tuple(args.stop_id),
         timeline=args.timeline,
     )
-    connect = connect_options(args)
-    stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
+    connect = args.connect
     # Every prompt's generation on one kept stream (a new Open after each Done, no new call),
     # which moves to the next server only when its own fails.
     channels = [open_channel(server, connect) for server in args.servers]
     stream = GenerateStream.on(*channels)
     try:
-        async for prompt in _prompts(args):
+        async for prompt in _prompts(args, prompts):
             text = prompt if args.raw else tokenizer.chat_prompt(prompt)
             shown = log_handler.shown = None if args.json else TextStream(tokenizer)
             try:
@@ -182,12 +206,13 @@ def _report(result: GenerationResult, tokenizer: EdgeTokenizer, args: argparse.N
 
 
 def connect_options(args: argparse.Namespace) -> ConnectOptions:
-    return ConnectOptions(
-        credentials=client_credentials(args.tls_ca, args.tls_cert, args.tls_key),
-        token=os.environ.get("SPECSPLIT_TOKEN") or None,
-        stall_timeout_s=args.stall_timeout,
-        retries=args.retries,
-    )
+    """ValueError naming the option or variable whose value no call can be made with."""
+    credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    try:  # what ConnectOptions checks is the token
+        return ConnectOptions(credentials=credentials, token=os.environ.get("SPECSPLIT_TOKEN") or None,
+                              stall_timeout_s=args.stall_timeout, retries=args.retries)
+    except ValueError as exc:
+        raise ValueError(f"$SPECSPLIT_TOKEN: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -266,7 +291,7 @@ def server_list(servers: str) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first setting that no generation can run with. Keeps what
-    it parsed on `args`: `servers` and `sampling`."""
+    it parsed on `args`: `servers`, `sampling` and `connect`."""
     args.servers = server_list(args.server)
     at_least = {"--max-new-tokens": (args.max_new_tokens, 1), "--window": (args.window, 1), "--k": (args.k, 1),
                 "--threads": (args.threads, 0), "--sparse-top-k": (args.sparse_top_k, 1),
@@ -279,6 +304,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--stop-id takes token ids (0 or more), got {min(args.stop_id)}")
     if not args.stall_timeout > 0:
         raise ValueError(f"--stall-timeout must be above 0, got {args.stall_timeout}")
+    if len(args.servers) > args.retries + 1:
+        raise ValueError(f"--retries {args.retries} leaves no attempt for the last of the {len(args.servers)} "
+                         f"servers given (a failover is a retry): give --retries {len(args.servers) - 1} or more")
+    if args.timeline and not args.stats_json:
+        raise ValueError("--timeline is written to --stats-json: give that too")
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("PROMPT is empty")
     args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     try:  # the server's own rules for them, checked here before anything is loaded
         args.sampling.validate()
@@ -288,6 +320,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--verification greedy is for --temperature 0; sampled output takes match or sparse-q")
     if args.verification in ("match", "sparse-q") and args.temperature == 0:
         raise ValueError(f"--verification {args.verification} verifies sampled output: give --temperature above 0")
+    args.connect = connect_options(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,11 +332,22 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
     except ValueError as exc:
         args.command_parser.error(str(exc))
+    try:
+        prompts, stats_file = open_files(args)
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     log_handler = LogBesideText(sys.stdout.isatty() and sys.stderr.isatty())
     logger = logging.getLogger("specsplit")
     logger.addHandler(log_handler)
     try:
-        return asyncio.run(_generate(args, log_handler))
+        return asyncio.run(_generate(args, log_handler, prompts, stats_file))
+    except OnCommitFailed as exc:
+        if isinstance(exc.__cause__, BrokenPipeError):
+            return _stdout_closed()
+        raise
+    except BrokenPipeError:  # stdout closed by its reader (`| head`) while the stats were printed
+        return _stdout_closed()
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -317,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130  # as a shell reports a program ended by SIGINT
     finally:
         logger.removeHandler(log_handler)
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout has gone: stop quietly, as a program killed by SIGPIPE would.
+    stdout goes to devnull so that the interpreter's last flush does not fail on it too."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":

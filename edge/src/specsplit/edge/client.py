@@ -59,6 +59,12 @@ class StreamEnded(ConnectionError):
     """The server ended the call before the session's Done."""
 
 
+class OnCommitFailed(Exception):
+    """The caller's on_commit raised (its exception is the cause): the caller's own failure
+    (a closed stdout, say), which ends the generation and is never retried, though it may be
+    an OSError as a lost connection is."""
+
+
 class StreamStalled(Exception):
     """Nothing came from the server for longer than the stall timeout: to the caller, the
     server is as UNAVAILABLE as one that refuses connections."""
@@ -77,6 +83,12 @@ class ConnectOptions:
     stall_timeout_s: float | None = 60.0  # no message for this long: the stream is treated as dead
     retries: int = 5  # re-opens after a lost server or stream, cycling through the addresses given
     backoff_s: float = 0.5  # doubled after each failed attempt, up to 8 s
+
+    def __post_init__(self) -> None:
+        # gRPC metadata carries printable ASCII only; any other token fails every call with
+        # INTERNAL, which would be retried as if the server were lost.
+        if self.token is not None and not (self.token.isascii() and self.token.isprintable()):
+            raise ValueError("the bearer token must be printable ASCII, without line ends")
 
 
 @dataclass(frozen=True)
@@ -264,7 +276,10 @@ class _Generation:
                 self.commit_times.extend([now] * len(event.tokens))
                 self._mark("verdict", now, event.start, len(event.tokens), event.accepted, event.verify_ms, event.proposed)
                 if self.on_commit is not None:
-                    self.on_commit(edge.generated)
+                    try:
+                        self.on_commit(edge.generated)
+                    except Exception as exc:
+                        raise OnCommitFailed(f"on_commit raised {exc!r}") from exc
             elif isinstance(event, Done):
                 edge.apply_done(event)
                 self.stats.done_reason = event.reason.name.lower()

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
-from specsplit.common.export_meta import MODEL_FILE, DraftExportMeta
+from specsplit.common.export_meta import META_FILE, MODEL_FILE, DraftExportMeta
 from specsplit.common.prefix import common_prefix
 
 
@@ -61,12 +61,21 @@ class OnnxDrafter:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
-        self._session = ort.InferenceSession(
-            str(self.directory / MODEL_FILE), sess_options=opts, providers=["CPUExecutionProvider"]
-        )
+        model = self.directory / MODEL_FILE
+        if not model.is_file():
+            raise FileNotFoundError(f"{self.directory} has no {MODEL_FILE}: copy the whole draft export over")
+        try:
+            self._session = ort.InferenceSession(str(model), sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # ONNX Runtime's own exception types, one per kind of failure
+            raise ValueError(f"ONNX Runtime cannot load {model} ({type(exc).__name__}: {exc}); "
+                             "a truncated copy? export the draft again") from None
         self._past_names = [
             f"past_key_values.{i}.{kind}" for i in range(self.meta.num_layers) for kind in ("key", "value")
         ]
+        expected = {"input_ids", "attention_mask", "position_ids", *self._past_names}
+        if missing := sorted(expected - {i.name for i in self._session.get_inputs()}):
+            raise ValueError(f"{model} does not take the inputs its {META_FILE} describes (no {', '.join(missing[:3])}): "
+                             "its model and metadata come from different exports")
         self._caches: list[_Cache] = []  # least recently used first
         self.reset()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jinja2 import Template, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -22,13 +23,28 @@ class EdgeTokenizer:
             raise FileNotFoundError(f"{directory} {what} (a draft export directory: specsplit-server export-draft)")
         if not path.is_file():
             raise FileNotFoundError(f"{directory} has no tokenizer.json")
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a bad file
+            raise ValueError(f"{path} is not a tokenizer the tokenizers library can read ({exc})") from None
         config_path = directory / "tokenizer_config.json"
-        self._config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            self._config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{config_path} is not valid JSON ({exc})") from None
         template_path = directory / "chat_template.jinja"
+        source = template_path if template_path.is_file() else config_path
         self.chat_template: str | None = (
-            template_path.read_text() if template_path.is_file() else self._config.get("chat_template")
+            template_path.read_text(encoding="utf-8") if template_path.is_file() else self._config.get("chat_template")
         )
+        self._template: Template | None = None
+        if self.chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            try:  # compiled now, so a broken template shows before any generation
+                self._template = env.from_string(self.chat_template)
+            except TemplateError as exc:
+                raise ValueError(f"the chat template in {source} does not parse ({exc})") from None
         self.fingerprint = vocab_fingerprint(self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
@@ -42,11 +58,11 @@ class EdgeTokenizer:
 
     def chat_prompt(self, user_text: str) -> str:
         """The text of a one-turn chat, rendered with the model's own template."""
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; use raw prompts")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
+        if self._template is None:
+            raise ValueError("this model has no chat template: send prompts as they are (--raw)")
         special = {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": user_text}], add_generation_prompt=True, **special
-        )
+        try:
+            return self._template.render(messages=[{"role": "user", "content": user_text}],
+                                         add_generation_prompt=True, **special)
+        except TemplateError as exc:  # raise_exception's ValueError passes as it is
+            raise ValueError(f"the chat template failed on this prompt ({exc})") from None

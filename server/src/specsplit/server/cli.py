@@ -201,7 +201,7 @@ def _health(args: argparse.Namespace) -> int:
 
     try:
         credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     channel = grpc.secure_channel(args.address, credentials) if credentials else grpc.insecure_channel(args.address)

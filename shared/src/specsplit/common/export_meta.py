@@ -3,7 +3,7 @@ read by the edge)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 META_FILE = "specsplit.json"
@@ -38,9 +38,24 @@ class DraftExportMeta:
 
     @classmethod
     def load(cls, directory: Path) -> DraftExportMeta:
+        """Raises FileNotFoundError where the directory has no metadata file, ValueError
+        (naming the file) where it cannot be read as one: a damaged or hand-edited export,
+        or one written by a newer version with fields this one does not know."""
         path = directory / META_FILE
         if not path.is_file():
             raise FileNotFoundError(f"{directory} is not a specsplit draft export (no {META_FILE})")
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}): export the draft again") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} holds no metadata object: export the draft again")
+        known = {f.name for f in fields(cls)}
+        needed = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        if unknown := sorted(data.keys() - known):
+            raise ValueError(f"{path} has fields this version does not know ({', '.join(unknown)}): "
+                             "it was exported by a newer specsplit; install that version here too")
+        if missing := sorted(needed - data.keys()):
+            raise ValueError(f"{path} lacks {', '.join(missing)}: export the draft again")
         data["eos_ids"] = tuple(data["eos_ids"])
         return cls(**data)
