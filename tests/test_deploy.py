@@ -53,3 +53,13 @@ def test_edge_image_installs_no_torch(tmp_path) -> None:
     names = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert "onnxruntime" in names and "specsplit-edge" in names
     assert not [n for n in names if n.startswith(FORBIDDEN)], names
+
+
+def test_the_build_context_holds_what_the_images_copy_and_no_local_build_output() -> None:
+    rules = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    assert rules[0] == "*"  # an allow list: nothing new enters the context unnamed
+    copied = {line.split()[1] for name in ("server", "edge") for line in
+              (ROOT / "docker" / f"{name}.Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    assert copied == {"shared", "server", "edge"}
+    assert {f"!{source}" for source in copied} <= set(rules)
+    assert {"**/build", "**/*.egg-info"} <= set(rules)
