@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -63,3 +64,25 @@ def test_the_build_context_holds_what_the_images_copy_and_no_local_build_output(
     assert copied == {"shared", "server", "edge"}
     assert {f"!{source}" for source in copied} <= set(rules)
     assert {"**/build", "**/*.egg-info"} <= set(rules)
+
+
+def test_compose_builds_the_gpu_image_apart_and_lets_the_server_drain() -> None:
+    cli = compose_cli()
+    if cli is None:
+        pytest.skip("no compose implementation installed (.ci/run installs one)")
+    yaml = pytest.importorskip("yaml")
+    env = {**os.environ, "TORCH_INDEX_URL": "https://cpu.example/whl"}
+    env.pop("TORCH_GPU_INDEX_URL", None)
+    proc = subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), "--profile", "gpu", "config"],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    cpu, gpu = services["server"], services["server-gpu"]
+    # A CPU-only torch index for the CPU image must not make the GPU image a CPU one.
+    assert cpu["build"]["args"]["TORCH_INDEX_URL"] == "https://cpu.example/whl"
+    assert not gpu["build"]["args"]["TORCH_INDEX_URL"] and gpu["image"] != cpu["image"]
+    for name in ("server", "server-gpu"):
+        service = services[name]
+        assert service["init"] is True  # PID 1 would ignore SIGTERM until serve installs its handler
+        grace = service.get("stop_grace_period", "10s")  # compose's default: shorter than a drain
+        assert grace.endswith("s") and float(grace[:-1]) > 10 + 1.2, grace

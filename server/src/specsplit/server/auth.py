@@ -19,7 +19,11 @@ OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 def load_tokens(path: Path) -> dict[str, str]:
     """token -> device id."""
     tokens: dict[str, str] = {}
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    for n, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
@@ -29,6 +33,8 @@ def load_tokens(path: Path) -> dict[str, str]:
         device, token = parts
         if len(token) < 16:
             raise ValueError(f"{path}:{n}: token of device {device} is shorter than 16 characters")
+        if token in tokens:  # else the later line would win, and deleting it would not revoke the token
+            raise ValueError(f"{path}:{n}: device {device} has the token of device {tokens[token]}: give each its own")
         tokens[token] = device
     if not tokens:
         raise ValueError(f"{path} holds no tokens")

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import gc
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -74,13 +75,15 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(args.gil_switch_ms / 1000)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specsplit.server.loading import MissingWeights, resolve_dtype
+    from specsplit.server.loading import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
     log.info("loading target %s (%s on %s, %s engine)", args.target, dtype, args.device, args.engine)
     try:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
-    except (OSError, MissingWeights) as exc:  # no such path, a hub id that cannot be fetched, a partial checkpoint
+    # No such path, a hub id that cannot be fetched, a partial checkpoint (MissingWeights), a
+    # file transformers cannot read as GGUF (ValueError).
+    except (OSError, ValueError) as exc:
         print(f"error: cannot load the target {args.target}: {exc}", file=sys.stderr)
         return 2
     if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
@@ -147,14 +150,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from specsplit.server.export import ExportParityError, export_draft
-    from specsplit.server.loading import MissingWeights
 
     try:
         meta = export_draft(args.model, Path(args.out), quantize=args.quantize, tolerance=args.tolerance)
-    except (ExportParityError, MissingWeights) as exc:
+    except ExportParityError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # a model that is not there, an --out that may not be replaced
+    # A model that is not there or not whole (MissingWeights), a file transformers cannot read
+    # as GGUF, an --out that may not be replaced.
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(
@@ -170,21 +174,21 @@ def _models(args: argparse.Namespace) -> int:
     from specsplit.server import models
 
     root = Path(args.cache_dir) if args.cache_dir else models.cache_dir()
-    if args.action == "pull":
-        paths = models.pull(args.pair, root)
-        result = {role: str(p) for role, p in paths.items()}
-    else:
-        from specsplit.server.loading import MissingWeights
-
-        try:
+    try:
+        if args.action == "pull":
+            result = {role: str(p) for role, p in models.pull(args.pair, root).items()}
+        else:
             pair = models.prepare(args.pair, root, target_source=args.target, draft_source=args.draft,
                                   draft_quantize=args.draft_quantize)
-        # A --target or --draft checkpoint that is not whole, a path that is not there, a pair
-        # whose tokenizers differ.
-        except (MissingWeights, OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        result = {"target": str(pair.target_dir.resolve()), "draft": str(pair.draft_dir.resolve())}
+            result = {"target": str(pair.target_dir.resolve()), "draft": str(pair.draft_dir.resolve())}
+    # A --target or --draft checkpoint that is not whole (MissingWeights), a path that is not
+    # there, a pair whose tokenizers differ.
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a download that failed or does not match its sha256 (ChecksumError)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result))
     else:
@@ -371,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--tolerance", type=float, default=5e-3, help="max |logit difference| ONNX Runtime vs torch (fp32 graph)"
     )
-    e.set_defaults(func=_export)
+    e.set_defaults(func=_export, command_parser=e)
 
     m = sub.add_parser(
         "models",
@@ -391,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--draft-quantize", choices=["int8", "int4"], default="int4",
                    help="prepare: the draft's weights (default int4; see export-draft --quantize)")
     m.add_argument("--json", action="store_true", help="print the resulting paths as JSON")
-    m.set_defaults(func=_models)
+    m.set_defaults(func=_models, command_parser=m)
 
     h = sub.add_parser("health", help="check a server with gRPC health checking (exit 0 if SERVING)",
                        parents=[after])
@@ -402,12 +406,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "the system's CAs)")
     h.add_argument("--tls-cert", help="this client's certificate (PEM), for a server that asks for one (mutual TLS)")
     h.add_argument("--tls-key", help="this client's private key (PEM), with --tls-cert")
-    h.set_defaults(func=_health)
+    h.set_defaults(func=_health, command_parser=h)
     return p
+
+
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    """What argparse cannot see in export-draft's, models' and health's settings; serve's are
+    checked by serve_checks, some of them against files and ports."""
+    if args.func is _models and args.action == "pull" and (args.target or args.draft or args.draft_quantize != "int4"):
+        return "--target, --draft and --draft-quantize are for prepare; pull fetches the default pair only"
+    if args.func is _export and not args.tolerance >= 0:
+        return f"--tolerance must be 0 or more, got {args.tolerance}"
+    if args.func is _health and not 0 < args.timeout < math.inf:
+        return f"--timeout must be above 0, got {args.timeout}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if problem := _usage_problem(args):
+        args.command_parser.error(problem)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -234,6 +234,10 @@ def _generic_handler(service: SpecSplitService) -> grpc.GenericRpcHandler:
     )
 
 
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed in a URL
+
+
 async def serve(
     engine: Engine, sched: SchedulerConfig, cfg: ServeConfig, ready: asyncio.Event | None = None
 ) -> None:
@@ -280,16 +284,26 @@ async def serve(
 
     worker_task.add_done_callback(worker_ended)
     loop = asyncio.get_running_loop()
+    hurry = asyncio.Event()  # a second signal: the operator will not wait out the grace
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("a second signal: ending the drain now")
+            hurry.set()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     log.info(
-        "serving %s on %s%s%s (vocab %d, context %d, tokenizer %s)",
+        "serving %s on %s%s%s (vocab %d, context %d, tokenizer %s)%s",
         limits.target_model, address, " with TLS" if cfg.tls else "",
         f" ({cfg.listeners} listeners)" if cfg.listeners > 1 else "", limits.vocab_size, limits.max_context,
         limits.tokenizer_fingerprint,
+        f"; metrics on http://{_url_host(cfg.metrics_host or cfg.host)}:{cfg.metrics_port}/metrics"
+        if cfg.metrics_port is not None else "",
     )
     if ready is not None:
         ready.set()
@@ -301,8 +315,8 @@ async def serve(
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         deadline = loop.time() + cfg.grace_s
-        while worker.sessions and loop.time() < deadline and not worker_task.done():  # none ends without it
-            await asyncio.sleep(0.1)
+        while worker.sessions and loop.time() < deadline and not worker_task.done() and not hurry.is_set():
+            await asyncio.sleep(0.1)  # (no session ends without the worker)
         if worker.sessions:
             log.warning("sessions still open after the grace: %d; ending them (their edges re-open elsewhere)",
                         len(worker.sessions))
@@ -311,5 +325,6 @@ async def serve(
         worker_task.cancel()
         lag_task.cancel()
         worker.close()
+        log.info("stopped")
     if worker_task.done() and not worker_task.cancelled() and worker_task.exception() is not None:
         raise RuntimeError("the verification worker failed") from worker_task.exception()
