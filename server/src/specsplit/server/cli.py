@@ -186,7 +186,7 @@ def _models(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:  # a download that failed or does not match its sha256 (ChecksumError)
+    except (models.DownloadError, models.ChecksumError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:

