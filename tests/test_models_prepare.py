@@ -71,7 +71,7 @@ def test_a_missing_source_is_refused_before_anything_is_pulled(tmp_path, monkeyp
 
 def test_loading_and_preparing_read_a_source_by_one_rule(tiny, tmp_path, monkeypatch) -> None:
     # Written as a path and missing: refused before transformers takes it for a hub id.
-    for missing in (".hidden/model", "../no/such/model", "nowhere.gguf", "~/no/such/model"):
+    for missing in (".hidden/model", "../no/such/model", "nowhere.gguf", "~/no/such/model", "no-such-model"):
         with pytest.raises(FileNotFoundError, match=f"model {missing} does not exist"):
             load_model(missing)
     monkeypatch.setenv("HOME", str(tiny.target_dir.parent))

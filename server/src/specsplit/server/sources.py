@@ -11,10 +11,13 @@ _PATH_PREFIXES = ("/", ".", "~")
 def local_source(source: str, what: str) -> str:
     """`source` with a leading ~ expanded.
 
-    Raises FileNotFoundError where it is written as a path and nothing is there: it is no
-    hub id either, and finding that out only after loading or pulling another model first
+    Raises FileNotFoundError where it is written as a path, or as a bare name, and nothing is
+    there: it is no hub id either (the hub's own bare names, such as gpt2, have ORG/NAME
+    ids too), and finding that out only after loading or pulling another model first
     costs minutes (a 1.6 GB download for `models prepare`)."""
     path = Path(source).expanduser()
     if not path.exists() and (source.startswith(_PATH_PREFIXES) or source.endswith(".gguf")):
         raise FileNotFoundError(f"{what} {source} does not exist")
+    if not path.exists() and "/" not in source:  # a mistyped directory name, which the hub would retry for a minute
+        raise FileNotFoundError(f"{what} {source} does not exist here, and a hub id is written ORG/NAME")
     return str(path) if source.startswith("~") else source
