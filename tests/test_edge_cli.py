@@ -20,14 +20,14 @@ from specsplit.edge.cli import main, server_list
     (["--server", "a:1,b"], "'b': give HOST:PORT"),
     (["--server", "::1"], "give HOST:PORT ([IPV6]:PORT)"),  # gRPC would read an address on 443
     (["--server", "127.0.0.1:５０"], "give HOST:PORT"),  # digits, but not ones a port is written in
-    (["--retries", "-1"], "--retries must be at least 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-    (["--seed", "-5"], "--seed must be at least 0"),
+    (["--retries", "-1"], "--retries must be a whole number, 0 or more"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a whole number of at least 1"),
+    (["--seed", "-5"], "--seed must fit in 64 unsigned bits"),
     (["--stall-timeout", "0"], "--stall-timeout must be above 0"),
-    (["--temperature", "0.8", "--verification", "greedy"], "--verification greedy is for --temperature 0"),
-    (["--verification", "sparse-q"], "give --temperature above 0"),  # it would run greedy without a word
-    (["--temperature", "-1"], "temperature must be in [0, 100]"),
-    (["--top-k", "-1"], "top_k must be >= 0"),
+    (["--temperature", "0.8", "--verification", "greedy"], "--verification greedy is for temperature 0"),
+    (["--verification", "sparse-q"], "give a temperature above 0"),  # it would run greedy without a word
+    (["--temperature", "-1"], "--temperature must be in [0, 100]"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--server", "a:1,b:2", "--retries", "0"], "leaves no attempt for the last of the 2 servers"),
     (["--timeline"], "--timeline is written to --stats-json"),
     (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: No such file or directory"),
@@ -48,7 +48,7 @@ def test_an_empty_prompt_and_a_token_grpc_cannot_send_are_refused(capsys, monkey
     monkeypatch.setenv("SPECSPLIT_TOKEN", "secret\r")  # a line end copied from a file: every call INTERNAL
     with pytest.raises(SystemExit):
         main(["generate", "--server", "127.0.0.1:50051", "--draft", "unused", "hi"])
-    assert "$SPECSPLIT_TOKEN: the bearer token must be printable ASCII" in capsys.readouterr().err
+    assert "$SPECSPLIT_TOKEN must be printable ASCII" in capsys.readouterr().err
 
 
 def test_top_p_zero_is_taken_as_the_protocol_takes_it() -> None:

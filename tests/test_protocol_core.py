@@ -136,6 +136,32 @@ def test_edge_rejects_out_of_order_verdict() -> None:
         e.apply_verdict(Verdict(start=5, tokens=(1,), accepted=0, proposed=0, candidate_tip=6))
 
 
+def test_the_edge_session_takes_nothing_after_its_done() -> None:
+    """A verdict after Done moved the committed point past what Done said; a second Done
+    replaced the first; drafting after Done claimed the window was full."""
+    e = EdgeSession(PROMPT, window=2)
+    e.apply_verdict(Verdict(start=3, tokens=(1,), accepted=0, proposed=0, candidate_tip=4))
+    e.apply_done(Done(DoneReason.LENGTH, 4))
+    with pytest.raises(errors.VerdictOutOfOrder, match="after the session's Done"):
+        e.apply_verdict(Verdict(start=4, tokens=(2,), accepted=0, proposed=0, candidate_tip=5))
+    with pytest.raises(errors.VerdictOutOfOrder, match="a second Done"):
+        e.apply_done(Done(DoneReason.EOS, 4))
+    with pytest.raises(ValueError, match="the generation is over"):
+        e.push_draft(3)
+    assert e.committed_len == 4 and e.done == Done(DoneReason.LENGTH, 4)
+
+
+def test_the_edge_session_refuses_an_empty_prompt_and_empty_chunks() -> None:
+    with pytest.raises(ValueError, match="needs a prompt"):
+        EdgeSession([], window=2)
+    e = EdgeSession(PROMPT, window=2)
+    e.push_draft(1)
+    for bad in (0, -1):  # an empty chunk the server refuses, or one that moved sent_len back
+        with pytest.raises(ValueError, match="at least one token"):
+            e.next_chunk(bad)
+    assert e.sent_len == e.committed_len and e.next_chunk(1) is not None
+
+
 @pytest.mark.parametrize(
     ("kw", "reason", "length"),
     [

@@ -21,6 +21,7 @@ from specsplit.common.tls import client_credentials
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
+    ConfigError,
     ConnectOptions,
     EdgeConfig,
     GenerationResult,
@@ -145,21 +146,7 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
     directory = Path(args.draft)
     tokenizer = EdgeTokenizer(directory)
     drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
-    cfg = EdgeConfig(
-        mode=args.mode,
-        window=args.window,
-        adaptive_window=args.adaptive_window,
-        k=args.k,
-        branch_tokens=args.branch_tokens,
-        branches=args.branches,
-        max_new_tokens=args.max_new_tokens,
-        sampling=args.sampling,
-        verification=VERIFICATION[args.verification] if args.verification else None,
-        sparse_top_k=args.sparse_top_k,
-        stop_ids=tuple(args.stop_id),
-        timeline=args.timeline,
-    )
-    connect = args.connect
+    cfg, connect = args.config, args.connect
     # Every prompt's generation on one kept stream (a new Open after each Done, no new call),
     # which moves to the next server only when its own fails.
     channels = [open_channel(server, connect) for server in args.servers]
@@ -203,16 +190,6 @@ def _report(result: GenerationResult, tokenizer: EdgeTokenizer, args: argparse.N
             sys.stdout.write(final[len(shown.printed) :])
         print()
         print(result.stats.line(), flush=True)
-
-
-def connect_options(args: argparse.Namespace) -> ConnectOptions:
-    """ValueError naming the option or variable whose value no call can be made with."""
-    credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
-    try:  # what ConnectOptions checks is the token
-        return ConnectOptions(credentials=credentials, token=os.environ.get("SPECSPLIT_TOKEN") or None,
-                              stall_timeout_s=args.stall_timeout, retries=args.retries)
-    except ValueError as exc:
-        raise ValueError(f"$SPECSPLIT_TOKEN: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,22 +266,18 @@ def server_list(servers: str) -> list[str]:
     return entries
 
 
+# Where ConfigError's fields come from on this command line; others are --FIELD-NAME.
+FLAGS = {"stop_ids": "--stop-id", "stall_timeout_s": "--stall-timeout", "token": "$SPECSPLIT_TOKEN"}
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first setting that no generation can run with. Keeps what
-    it parsed on `args`: `servers`, `sampling` and `connect`."""
+    it built on `args`: `servers`, `sampling`, `config` (EdgeConfig) and `connect`
+    (ConnectOptions), whose own checks name their fields, here turned into flags."""
     args.servers = server_list(args.server)
-    at_least = {"--max-new-tokens": (args.max_new_tokens, 1), "--window": (args.window, 1), "--k": (args.k, 1),
-                "--threads": (args.threads, 0), "--sparse-top-k": (args.sparse_top_k, 1),
-                "--retries": (args.retries, 0), "--seed": (args.seed, 0),
-                "--branch-tokens": (args.branch_tokens, 0)}
-    for flag, (value, least) in at_least.items():
-        if value < least:
-            raise ValueError(f"{flag} must be at least {least}, got {value}")
-    if any(i < 0 for i in args.stop_id):
-        raise ValueError(f"--stop-id takes token ids (0 or more), got {min(args.stop_id)}")
-    if not args.stall_timeout > 0:
-        raise ValueError(f"--stall-timeout must be above 0, got {args.stall_timeout}")
-    if len(args.servers) > args.retries + 1:
+    if args.threads < 0:
+        raise ValueError(f"--threads must be at least 0, got {args.threads}")
+    if args.retries >= 0 and len(args.servers) > args.retries + 1:
         raise ValueError(f"--retries {args.retries} leaves no attempt for the last of the {len(args.servers)} "
                          f"servers given (a failover is a retry): give --retries {len(args.servers) - 1} or more")
     if args.timeline and not args.stats_json:
@@ -312,15 +285,22 @@ def check_args(args: argparse.Namespace) -> None:
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("PROMPT is empty")
     args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
-    try:  # the server's own rules for them, checked here before anything is loaded
-        args.sampling.validate()
-    except ProtocolError as exc:
-        raise ValueError(exc.message) from None
-    if args.verification == "greedy" and args.temperature > 0:
-        raise ValueError("--verification greedy is for --temperature 0; sampled output takes match or sparse-q")
-    if args.verification in ("match", "sparse-q") and args.temperature == 0:
-        raise ValueError(f"--verification {args.verification} verifies sampled output: give --temperature above 0")
-    args.connect = connect_options(args)
+    try:
+        args.config = EdgeConfig(
+            mode=args.mode, window=args.window, adaptive_window=args.adaptive_window, k=args.k,
+            branch_tokens=args.branch_tokens, branches=args.branches, max_new_tokens=args.max_new_tokens,
+            sampling=args.sampling, verification=VERIFICATION[args.verification] if args.verification else None,
+            sparse_top_k=args.sparse_top_k, stop_ids=tuple(args.stop_id), timeline=args.timeline,
+        )
+        args.connect = ConnectOptions(
+            credentials=client_credentials(args.tls_ca, args.tls_cert, args.tls_key),
+            token=os.environ.get("SPECSPLIT_TOKEN") or None, stall_timeout_s=args.stall_timeout, retries=args.retries,
+        )
+    except ConfigError as exc:
+        if exc.field == "sampling":  # its problem names the setting: "temperature must be ..."
+            setting, problem = exc.problem.split(" ", 1)
+            raise ValueError(f"--{setting.replace('_', '-')} {problem}") from None
+        raise ValueError(f"{FLAGS.get(exc.field, '--' + exc.field.replace('_', '-'))} {exc.problem}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import numbers
+import operator
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,6 +79,24 @@ class StreamStalled(Exception):
         return str(self)
 
 
+class ConfigError(ValueError):
+    """A setting no generation can run with; `field` names it (`EdgeConfig`, `ConnectOptions`)."""
+
+    def __init__(self, field_name: str, problem: str) -> None:
+        super().__init__(f"{field_name} {problem}")
+        self.field = field_name
+        self.problem = problem
+
+
+def _whole(value: object) -> bool:
+    """An int or numpy integer, not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+# EdgeConfig's whole-number settings and their least values.
+_AT_LEAST = {"window": 1, "k": 1, "branch_tokens": 0, "max_new_tokens": 1, "sparse_top_k": 1}
+
+
 @dataclass(frozen=True)
 class ConnectOptions:
     credentials: grpc.ChannelCredentials | None = None  # TLS (and mutual TLS) when set
@@ -87,8 +108,14 @@ class ConnectOptions:
     def __post_init__(self) -> None:
         # gRPC metadata carries printable ASCII only; any other token fails every call with
         # INTERNAL, which would be retried as if the server were lost.
-        if self.token is not None and not (self.token.isascii() and self.token.isprintable()):
-            raise ValueError("the bearer token must be printable ASCII, without line ends")
+        if self.token is not None and not (self.token and self.token.isascii() and self.token.isprintable()):
+            raise ConfigError("token", "must be printable ASCII, without line ends")
+        if not _whole(self.retries) or self.retries < 0:
+            raise ConfigError("retries", f"must be a whole number, 0 or more, got {self.retries!r}")
+        if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s < math.inf:
+            raise ConfigError("stall_timeout_s", f"must be above 0, got {self.stall_timeout_s!r}")
+        if not 0 <= self.backoff_s < math.inf:
+            raise ConfigError("backoff_s", f"must be 0 or more, got {self.backoff_s!r}")
 
 
 @dataclass(frozen=True)
@@ -109,14 +136,32 @@ class EdgeConfig:
     timeline: bool = False  # record drafting, sends and verdicts with timestamps
 
     def __post_init__(self) -> None:
+        """ConfigError, naming the field, for a value no generation can run with: found here
+        rather than by the server, a round trip later, or deep in the encoding."""
         if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
-        if self.window < 1 or self.k < 1:
-            raise ValueError("window and k must be at least 1")
-        if self.branch_tokens < 0:
-            raise ValueError("branch_tokens must be 0 (no branches) or more")
+            raise ConfigError("mode", f"must be one of {sorted(MODES)}, got {self.mode!r}")
+        for name, least in _AT_LEAST.items():
+            value = getattr(self, name)
+            if not _whole(value) or value < least:
+                raise ConfigError(name, f"must be a whole number of at least {least}, got {value!r}")
         if not 0 <= self.branches <= MAX_BRANCHES:
-            raise ValueError(f"branches must be 0 (none) to {MAX_BRANCHES}, the branches the drafter keeps caches for")
+            raise ConfigError("branches", f"must be 0 (none) to {MAX_BRANCHES}, the branches the drafter keeps "
+                              f"caches for, got {self.branches!r}")
+        if bad := [i for i in self.stop_ids if not _whole(i) or not 0 <= i < 2**32]:
+            raise ConfigError("stop_ids", f"are token ids (whole numbers, 0 or more), got {bad[0]!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ConfigError("sampling", f"must be a SamplingParams, got {self.sampling!r}")
+        try:
+            self.sampling.validate()  # the server's own rules
+        except errors.ProtocolError as exc:
+            raise ConfigError("sampling", exc.message) from None
+        if self.verification is not None and not isinstance(self.verification, VerificationMode):
+            raise ConfigError("verification", f"must be a VerificationMode or None, got {self.verification!r}")
+        if self.verification is not None and (self.verification is VerificationMode.GREEDY) != self.sampling.greedy:
+            name = self.verification.name.lower().replace("_", "-")
+            raise ConfigError("verification", "greedy is for temperature 0; sampled output takes match or sparse-q"
+                              if self.verification is VerificationMode.GREEDY
+                              else f"{name} verifies sampled output: give a temperature above 0")
 
 
 @dataclass
@@ -207,6 +252,10 @@ class _Generation:
     async def run(self, stream: GenerateStream) -> GenerationResult:
         """Generate on `stream`'s call (begun here if it has none), leaving it open for the
         next generation; after a failure the call is cancelled."""
+        with stream.carrying():
+            return await self._run(stream)
+
+    async def _run(self, stream: GenerateStream) -> GenerationResult:
         t0 = self._t0 = time.perf_counter()
         self._stream = stream
         drafting = None
@@ -471,12 +520,25 @@ async def generate(
     `via` says where: a server's host:port, or a list to fail over along, each attempt on a
     connection of its own; a channel, every attempt on a call of its own on it; or a device's
     kept GenerateStream (stream.py), which the generation runs on and leaves open for the
-    device's next one, a retry going to the stream's next server."""
+    device's next one, a retry going to the stream's next server; a stream carries one
+    generation at a time. `committed_ids`: tokens already generated after the prompt (a
+    generation resumed elsewhere), which the server takes as committed. `on_commit` gets
+    the whole generated list after each verdict. A drafter may be shared by generations
+    running at once; their drafting steps then take turns.
+
+    Raises ValueError (ConfigError for settings) before any call for what no server would
+    take; grpc.aio.AioRpcError with the server's status (refused, or the stream lost and the
+    retries spent), StreamStalled (no message for the stall timeout, retries spent; its
+    code() is UNAVAILABLE) or ConnectionError (the call ended before Done, retries spent);
+    OnCommitFailed where `on_commit` raised; ProtocolError where the server broke the
+    protocol; RuntimeError for a stream carrying another generation."""
     if isinstance(via, str):
         via = [via]
     if not isinstance(via, (grpc.aio.Channel, GenerateStream)) and not via:
         raise ValueError("generate needs a server address")
-    committed = list(committed_ids)
+    prompt_ids, committed = token_ids(prompt_ids, "prompt_ids"), token_ids(committed_ids, "committed_ids")
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: a generation needs a prompt")
     backoff = connect.backoff_s
     for attempt in range(connect.retries + 1):
         gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit)
@@ -506,6 +568,18 @@ async def generate(
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, 8.0)
     raise AssertionError("the retry loop returns or raises")
+
+
+def token_ids(ids: Sequence[int], name: str) -> list[int]:
+    """`ids` as a list of ints (a tokenizer's numpy integers too); ValueError naming `name`
+    for anything that is not a token id, found before the protobuf encoding would be."""
+    try:
+        out = [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError(f"{name} must be token ids (whole numbers), got {ids!r:.80}") from None
+    if bad := [t for t in out if not 0 <= t < 2**32]:
+        raise ValueError(f"{name} must be token ids (0 to 2**32 - 1), got {bad[0]}")
+    return out
 
 
 def _describe(exc: Exception) -> str:

@@ -14,6 +14,7 @@ that was a padded branch does not carry it through the rest of the generation.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ class Drafter(Protocol):
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray: ...
 
 
-@dataclass
+@dataclass(eq=False)  # caches are told apart by identity: comparing their arrays would fail
 class _Cache:
     tokens: list[int] = field(default_factory=list)  # tokens whose keys/values it holds
     past: list[np.ndarray] = field(default_factory=list)
@@ -77,11 +78,15 @@ class OnnxDrafter:
             raise ValueError(f"{model} does not take the inputs its {META_FILE} describes (no {', '.join(missing[:3])}): "
                              "its model and metadata come from different exports")
         self._caches: list[_Cache] = []  # least recently used first
+        # Generations run their drafting in threads of their own; one drafter shared by
+        # several takes their steps one at a time, as its caches must be.
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
         empty = np.zeros((1, self.meta.num_kv_heads, 0, self.meta.head_dim), dtype=np.float32)
-        self._caches = [_Cache(past=[empty] * len(self._past_names))]
+        with self._lock:
+            self._caches = [_Cache(past=[empty] * len(self._past_names))]
 
     def _cache_for(self, trajectory: Sequence[int]) -> tuple[_Cache, int]:
         """The cache sharing the longest prefix with `trajectory` (the most recent of
@@ -117,6 +122,10 @@ class OnnxDrafter:
 
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
         """Logits for the token after `trajectory`, reusing the cached common prefix."""
+        with self._lock:
+            return self._next_logits(trajectory)
+
+    def _next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
         cache, common = self._cache_for(trajectory)
         if common == len(trajectory) == len(cache.tokens) and cache.last_logits is not None:
             return cache.last_logits
@@ -145,13 +154,17 @@ class OnnxDrafter:
         batch, one row each, which costs far less than a run per row (two rows about 1.15
         one-row runs here, 4-bit weights; 1.25 int8), since the weights are read once; the
         shorter caches are padded, and the mask hides the padding."""
+        with self._lock:
+            return self._next_logits_batch(trajectories)
+
+    def _next_logits_batch(self, trajectories: Sequence[Sequence[int]]) -> list[np.ndarray]:
         caches = []
         for trajectory in trajectories:
             cache, common = self._cache_for(trajectory)
             caches.append((cache, self._cut_back(cache, common, trajectory)))
         if len({id(c) for c, _ in caches}) < len(caches) or any(
                 keep != len(t) - 1 for (_, keep), t in zip(caches, trajectories)):
-            return [self.next_logits(t) for t in trajectories]
+            return [self._next_logits(t) for t in trajectories]
         last = caches[0][0].batch
         rows = [c.batch[1] if c.batch is not None and last is not None and c.batch[0] is last[0] else -1
                 for c, _ in caches]

@@ -11,7 +11,8 @@ only after a failure (a generation's retry, client.generate).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
@@ -30,10 +31,25 @@ class GenerateStream:
         self.server = 0  # index of the server (stub) that the next call goes to
         self._call: grpc.aio.StreamStreamCall | None = None
         self._outgoing: asyncio.Queue[pb.EdgeMessage | None] = asyncio.Queue()
+        self._carrying = False
 
     @classmethod
     def on(cls, *channels: grpc.aio.Channel) -> GenerateStream:
         return cls(*(pb_grpc.SpecSplitStub(channel) for channel in channels))
+
+    @contextlib.contextmanager
+    def carrying(self) -> Iterator[None]:
+        """Held by the generation on the stream. Its sessions follow one another: a second
+        generation at once would send its Open into the first's session (refused), and the
+        first's failure would cancel the second's call."""
+        if self._carrying:
+            raise RuntimeError("this GenerateStream carries another generation: it takes one at a time "
+                               "(give each concurrent generation a stream of its own)")
+        self._carrying = True
+        try:
+            yield
+        finally:
+            self._carrying = False
 
     @property
     def call(self) -> grpc.aio.StreamStreamCall:

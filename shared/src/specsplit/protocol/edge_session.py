@@ -24,6 +24,8 @@ class EdgeSession:
     def __init__(self, prompt_ids: Sequence[int], window: int, committed_ids: Sequence[int] = ()) -> None:
         if window < 1:
             raise ValueError("the lookahead window must be at least 1")
+        if not prompt_ids:
+            raise ValueError("a generation needs a prompt")
         self.prompt_len = len(prompt_ids)
         self.window = window
         self._seq = HashedSequence([*prompt_ids, *committed_ids])
@@ -68,6 +70,8 @@ class EdgeSession:
     # -- drafting and sending --------------------------------------------------
 
     def push_draft(self, token: int, dist: SparseDist | None = None) -> None:
+        if self.done is not None:
+            raise ValueError("the generation is over")
         if self.room() <= 0:
             raise ValueError("the lookahead window is full")
         self._seq.append(token)
@@ -75,7 +79,9 @@ class EdgeSession:
         self.drafted += 1
 
     def next_chunk(self, max_tokens: int | None = None) -> DraftChunk | None:
-        """Drafts not yet sent, as one chunk (None if there are none)."""
+        """Drafts not yet sent, as one chunk of at most `max_tokens` (None if there are none)."""
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"a chunk holds at least one token, got max_tokens={max_tokens}")
         if self.done is not None or self.sent_len >= len(self._seq):
             return None
         start = self.sent_len
@@ -130,6 +136,8 @@ class EdgeSession:
         """Commit a verdict; returns the first position whose token changed or was
         added (the drafter re-syncs its cache from there), or None if the verdict
         only confirmed drafts."""
+        if self.done is not None:
+            raise errors.VerdictOutOfOrder("a verdict after the session's Done")
         if verdict.start != self.committed_len:
             raise errors.VerdictOutOfOrder(
                 f"verdict starts at {verdict.start} but the committed point is {self.committed_len}"
@@ -202,6 +210,8 @@ class EdgeSession:
             self._branches = {p: b for p, b in self._branches.items() if p < self.sent_len}
 
     def apply_done(self, done: Done) -> None:
+        if self.done is not None:
+            raise errors.VerdictOutOfOrder("a second Done for one session")
         if done.committed_length != self.committed_len:
             raise errors.VerdictOutOfOrder(
                 f"Done says {done.committed_length} tokens are committed, the edge has {self.committed_len}"

@@ -1,0 +1,119 @@
+"""The edge client as a library: settings and token ids checked before any call, one drafter
+shared by generations running at once, a kept stream that carries one generation at a time."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from specsplit.edge.client import ConfigError, ConnectOptions, EdgeConfig, generate
+from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.stream import GenerateStream
+from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol.messages import SamplingParams, VerificationMode
+from test_end_to_end import reference
+
+NOWHERE = "127.0.0.1:1"  # nothing listens: a check that waits for the network would fail there
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"max_new_tokens": 0}, "max_new_tokens"),  # was: protobuf's "Value out of range", or the server's refusal
+    ({"sparse_top_k": 0}, "sparse_top_k"),
+    ({"window": 1.5}, "window"),  # was: taken, and run
+    ({"window": True}, "window"),
+    ({"stop_ids": (-1,)}, "stop_ids"),
+    ({"sampling": SamplingParams(temperature=-1.0)}, "sampling"),
+    ({"sampling": None}, "sampling"),
+    ({"verification": "match"}, "verification"),
+    ({"verification": VerificationMode.GREEDY, "sampling": SamplingParams(temperature=0.7)}, "verification"),
+    ({"verification": VerificationMode.MATCH}, "verification"),  # sampled verification of greedy output
+])
+def test_an_edge_config_no_generation_can_run_with_is_refused(kw, field) -> None:
+    with pytest.raises(ConfigError) as refused:
+        EdgeConfig(**kw)
+    assert refused.value.field == field
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"retries": -1}, "retries"),  # was: AssertionError from an empty retry loop
+    ({"stall_timeout_s": 0.0}, "stall_timeout_s"),  # was: every attempt stalled at once
+    ({"backoff_s": float("nan")}, "backoff_s"),
+    ({"token": ""}, "token"),  # was: no token sent, silently
+    ({"token": "secret\n"}, "token"),
+])
+def test_connect_options_no_call_can_use_are_refused(kw, field) -> None:
+    with pytest.raises(ConfigError) as refused:
+        ConnectOptions(**kw)
+    assert refused.value.field == field
+
+
+@pytest.mark.parametrize(("ids", "message"), [
+    ([], "prompt_ids is empty"),
+    ([1, -1], "prompt_ids must be token ids"),  # was: protobuf's "Value out of range"
+    ([1, 2**33], "prompt_ids must be token ids"),
+    ("hello", "prompt_ids must be token ids"),  # a string where ids belong
+    ([1.5], "prompt_ids must be token ids"),
+])
+def test_prompt_ids_that_are_no_token_ids_are_refused_before_any_call(ids, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(generate(NOWHERE, ids, EdgeConfig(mode="none"), connect=ConnectOptions(retries=0)))
+
+
+def test_numpy_token_ids_generate_as_ints(tiny, server) -> None:
+    """A tokenizer's numpy output opened a session, then failed in the trajectory hash."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("def add(a, b):")
+    cfg = EdgeConfig(max_new_tokens=8)
+    result = asyncio.run(generate(server, np.asarray(ids, dtype=np.int64), cfg, drafter=OnnxDrafter(tiny.draft_dir),
+                                  fingerprint=tok.fingerprint))
+    assert result.tokens == reference(str(tiny.target_dir), ids, 8)
+
+
+def test_a_drafter_follows_any_sequence_of_trajectories(tiny) -> None:
+    """Two caches holding the same tokens were compared as dataclasses, arrays and all: the
+    fifth step below raised "The truth value of an array ... is ambiguous"."""
+    drafter, fresh = OnnxDrafter(tiny.draft_dir), OnnxDrafter(tiny.draft_dir)
+    prompt = list(range(3, 12))
+    for trajectory in (prompt + [1], prompt, prompt + [1], prompt, prompt + [2]):
+        fresh.reset()
+        np.testing.assert_allclose(drafter.next_logits(trajectory), fresh.next_logits(trajectory), atol=1e-4)
+
+
+def test_one_drafter_serves_generations_running_at_once(tiny, server) -> None:
+    """Each generation drafts in a thread of its own: sharing one drafter failed 14 of 15."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    prompts = ["def add(a, b):", "The quick brown fox", "hello"]
+    drafter = OnnxDrafter(tiny.draft_dir)
+
+    async def all_at_once() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(server) as channel:
+            results = await asyncio.gather(*(
+                generate(GenerateStream.on(channel), tok.encode(p), EdgeConfig(max_new_tokens=12), drafter=drafter,
+                         fingerprint=tok.fingerprint) for p in prompts))
+        return [r.tokens for r in results]
+
+    assert asyncio.run(all_at_once()) == [reference(str(tiny.target_dir), tok.encode(p), 12) for p in prompts]
+
+
+def test_a_kept_stream_carries_one_generation_at_a_time(tiny, server) -> None:
+    """A second generation at once sent its Open into the first's session (refused) and was
+    then cancelled by the first's abort, though nobody had cancelled it."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("def add(a, b):")
+
+    async def two_on_one_stream() -> tuple:
+        async with grpc.aio.insecure_channel(server) as channel:
+            stream = GenerateStream.on(channel)
+            runs = [generate(stream, ids, EdgeConfig(mode="none", max_new_tokens=8), fingerprint=tok.fingerprint)
+                    for _ in range(2)]
+            first, second = await asyncio.gather(*runs, return_exceptions=True)
+            again = await generate(stream, ids, EdgeConfig(mode="none", max_new_tokens=8), fingerprint=tok.fingerprint)
+            stream.close()
+            return first, second, again
+
+    first, second, again = asyncio.run(two_on_one_stream())
+    want = reference(str(tiny.target_dir), ids, 8)
+    assert first.tokens == want and again.tokens == want
+    assert isinstance(second, RuntimeError) and "carries another generation" in str(second)
