@@ -151,6 +151,14 @@ def test_the_edge_session_takes_nothing_after_its_done() -> None:
     assert e.committed_len == 4 and e.done == Done(DoneReason.LENGTH, 4)
 
 
+def test_numpy_token_ids_hash_as_ints() -> None:
+    import numpy as np
+
+    ints = HashedSequence([3, 4, 5])
+    assert HashedSequence(np.asarray([3, 4, 5], dtype=np.int64)).hashes == ints.hashes  # was: OverflowError
+    assert EdgeSession(np.asarray(PROMPT), window=2).tip == EdgeSession(PROMPT, window=2).tip
+
+
 def test_the_edge_session_refuses_an_empty_prompt_and_empty_chunks() -> None:
     with pytest.raises(ValueError, match="needs a prompt"):
         EdgeSession([], window=2)

@@ -24,7 +24,7 @@ class EdgeSession:
     def __init__(self, prompt_ids: Sequence[int], window: int, committed_ids: Sequence[int] = ()) -> None:
         if window < 1:
             raise ValueError("the lookahead window must be at least 1")
-        if not prompt_ids:
+        if len(prompt_ids) == 0:
             raise ValueError("a generation needs a prompt")
         self.prompt_len = len(prompt_ids)
         self.window = window

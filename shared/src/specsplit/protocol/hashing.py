@@ -6,6 +6,7 @@ is the one it holds without epochs or acknowledgements.
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 
 from specsplit.common.prefix import common_prefix
@@ -36,6 +37,7 @@ class HashedSequence:
         return len(self.tokens)
 
     def append(self, token: int) -> None:
+        token = operator.index(token)  # a numpy integer would overflow mix's arithmetic
         prev = self.hashes[-1] if self.hashes else ROOT_HASH
         self.tokens.append(token)
         self.hashes.append(mix(prev, token))
