@@ -194,7 +194,9 @@ def test_auto_dtype_is_bf16_only_where_it_is_fast() -> None:
 def test_warm_up_leaves_no_session_behind(tiny) -> None:
     """The server's start-up passes use a throwaway session: its static slot is given back."""
     loaded = load_model(str(tiny.target_dir))
-    engine = StaticEngine(loaded, slots=2, max_len=160)
+    from specsplit.server.serve_checks import MIN_STATIC_LEN
+
+    engine = StaticEngine(loaded, slots=2, max_len=MIN_STATIC_LEN)  # the shortest slot serve takes
     warm_up(engine)
     assert sorted(engine.free) == [0, 1]
     warm_up(TargetEngine(loaded))  # the dynamic engine keeps nothing to give back; it must just run

@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from specsplit.edge.cli import main, server_list
+from specsplit.edge.tokenizer import EdgeTokenizer
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -30,8 +32,9 @@ from specsplit.edge.cli import main, server_list
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--server", "a:1,b:2", "--retries", "0"], "leaves no attempt for the last of the 2 servers"),
     (["--timeline"], "--timeline is written to --stats-json"),
-    (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: No such file or directory"),
-    (["--tls-ca", __file__], f"--tls-ca {__file__} is not a PEM file"),  # gRPC would fail every handshake
+    (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: no such file"),
+    (["--tls-ca", __file__], f"--tls-ca {__file__} holds no PEM certificate"),  # gRPC would fail every handshake
+    (["--tls-cert", __file__, "--tls-key", __file__], "are not a PEM certificate and its own unencrypted key"),
 ])
 def test_settings_no_generation_can_run_with_are_refused(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -111,7 +114,7 @@ def _edit_meta(change):  # type: ignore[no-untyped-def]
     ("bad-meta-json", lambda e: (e / "specsplit.json").write_text("{"), "specsplit.json is not valid JSON"),
     ("meta-lacks", _edit_meta(lambda m: m.pop("eos_ids")), "specsplit.json lacks eos_ids"),
     ("meta-newer", _edit_meta(lambda m: m.update(new_field=1)), "fields this version does not know (new_field)"),
-    ("bad-template", lambda e: (e / "chat_template.jinja").write_text("{% if %}"), "chat template in"),
+    ("bad-template", lambda e: (e / "chat_template.jinja").write_text("{% if %}"), "chat template in"),  # a chat prompt
     ("other-model", _edit_meta(lambda m: m.update(num_layers=m["num_layers"] + 1)), "does not take the inputs"),
 ])
 def test_a_damaged_draft_export_is_one_error_line(tiny, tmp_path, capsys, name, damage, message) -> None:
@@ -119,6 +122,22 @@ def test_a_damaged_draft_export_is_one_error_line(tiny, tmp_path, capsys, name, 
     assert main(["generate", "--server", "127.0.0.1:1", "--draft", export, "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_broken_chat_template_matters_only_to_chat_prompts(tiny, tmp_path) -> None:
+    export = _broken_export(tiny, tmp_path, "bad-template", lambda e: (e / "chat_template.jinja").write_text("{% if %}"))
+    tok = EdgeTokenizer(Path(export))
+    assert tok.encode("hello") == EdgeTokenizer(tiny.draft_dir).encode("hello")  # raw prompts still go
+    with pytest.raises(ValueError, match="does not parse"):
+        tok.chat_prompt("hello")
+
+
+def test_a_stats_file_keeps_its_content_when_the_draft_fails_to_load(tmp_path, capsys) -> None:
+    stats = tmp_path / "stats.jsonl"
+    stats.write_text("earlier run\n")
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"),
+                 "--stats-json", str(stats), "hi"]) == 2
+    assert "nowhere does not exist" in capsys.readouterr().err and stats.read_text() == "earlier run\n"
 
 
 def test_ctrl_c_at_an_interactive_prompt_ends_the_program(tiny) -> None:

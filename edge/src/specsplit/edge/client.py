@@ -11,6 +11,7 @@ a worker thread so verdicts are read and applied while it computes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import numbers
@@ -112,9 +113,10 @@ class ConnectOptions:
             raise ConfigError("token", "must be printable ASCII, without line ends")
         if not _whole(self.retries) or self.retries < 0:
             raise ConfigError("retries", f"must be a whole number, 0 or more, got {self.retries!r}")
-        if self.stall_timeout_s is not None and not 0 < self.stall_timeout_s < math.inf:
+        if self.stall_timeout_s is not None and (not isinstance(self.stall_timeout_s, numbers.Real)
+                                                 or not 0 < self.stall_timeout_s < math.inf):
             raise ConfigError("stall_timeout_s", f"must be above 0, got {self.stall_timeout_s!r}")
-        if not 0 <= self.backoff_s < math.inf:
+        if not isinstance(self.backoff_s, numbers.Real) or not 0 <= self.backoff_s < math.inf:
             raise ConfigError("backoff_s", f"must be 0 or more, got {self.backoff_s!r}")
 
 
@@ -144,17 +146,17 @@ class EdgeConfig:
             value = getattr(self, name)
             if not _whole(value) or value < least:
                 raise ConfigError(name, f"must be a whole number of at least {least}, got {value!r}")
-        if not 0 <= self.branches <= MAX_BRANCHES:
+        if not _whole(self.branches) or not 0 <= self.branches <= MAX_BRANCHES:
             raise ConfigError("branches", f"must be 0 (none) to {MAX_BRANCHES}, the branches the drafter keeps "
                               f"caches for, got {self.branches!r}")
-        if bad := [i for i in self.stop_ids if not _whole(i) or not 0 <= i < 2**32]:
-            raise ConfigError("stop_ids", f"are token ids (whole numbers, 0 or more), got {bad[0]!r}")
+        try:
+            token_ids(self.stop_ids, "stop_ids")
+        except ValueError as exc:
+            raise ConfigError("stop_ids", str(exc).removeprefix("stop_ids ")) from None
         if not isinstance(self.sampling, SamplingParams):
             raise ConfigError("sampling", f"must be a SamplingParams, got {self.sampling!r}")
-        try:
-            self.sampling.validate()  # the server's own rules
-        except errors.ProtocolError as exc:
-            raise ConfigError("sampling", exc.message) from None
+        if problem := self.sampling.problem():  # the server's own rules
+            raise ConfigError(f"sampling.{problem[0]}", problem[1])
         if self.verification is not None and not isinstance(self.verification, VerificationMode):
             raise ConfigError("verification", f"must be a VerificationMode or None, got {self.verification!r}")
         if self.verification is not None and (self.verification is VerificationMode.GREEDY) != self.sampling.greedy:
@@ -252,10 +254,6 @@ class _Generation:
     async def run(self, stream: GenerateStream) -> GenerationResult:
         """Generate on `stream`'s call (begun here if it has none), leaving it open for the
         next generation; after a failure the call is cancelled."""
-        with stream.carrying():
-            return await self._run(stream)
-
-    async def _run(self, stream: GenerateStream) -> GenerationResult:
         t0 = self._t0 = time.perf_counter()
         self._stream = stream
         drafting = None
@@ -524,7 +522,8 @@ async def generate(
     generation at a time. `committed_ids`: tokens already generated after the prompt (a
     generation resumed elsewhere), which the server takes as committed. `on_commit` gets
     the whole generated list after each verdict. A drafter may be shared by generations
-    running at once; their drafting steps then take turns.
+    running at once: correct, but their drafting steps take turns and share its caches, so
+    a drafter each is faster.
 
     Raises ValueError (ConfigError for settings) before any call for what no server would
     take; grpc.aio.AioRpcError with the server's status (refused, or the stream lost and the
@@ -539,34 +538,37 @@ async def generate(
     prompt_ids, committed = token_ids(prompt_ids, "prompt_ids"), token_ids(committed_ids, "committed_ids")
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: a generation needs a prompt")
+    # A kept stream is the generation's from its first attempt to its last: another one
+    # taking it during a retry's backoff would leave the retry nothing to re-open on.
     backoff = connect.backoff_s
-    for attempt in range(connect.retries + 1):
-        gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit)
-        gen.stall_timeout_s = connect.stall_timeout_s
-        gen.metadata = (("authorization", f"Bearer {connect.token}"),) if connect.token else ()
-        try:
-            if isinstance(via, GenerateStream):
-                result = await gen.run(via)
-            elif isinstance(via, grpc.aio.Channel):
-                result = await _on_own_call(gen, via)
-            else:
-                async with open_channel(via[attempt % len(via)], connect) as ch:
-                    result = await _on_own_call(gen, ch)
-            result.stats.reconnects = attempt
-            return result
-        except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
-            delay = retry_delay(exc, backoff)
-            if delay is None or attempt == connect.retries:
-                raise
-            if gen.edge is not None:
-                committed = gen.edge.generated  # includes what earlier attempts committed
-            if isinstance(via, GenerateStream):
-                via.fail_over()
-            # A retry can take seconds (backoff doubles up to 8 s): say so, or a device looks hung.
-            log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d)",
-                        _describe(exc), delay, attempt + 1, connect.retries)
-            await asyncio.sleep(delay)
-            backoff = min(backoff * 2, 8.0)
+    with via.carrying() if isinstance(via, GenerateStream) else contextlib.nullcontext():
+        for attempt in range(connect.retries + 1):
+            gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit)
+            gen.stall_timeout_s = connect.stall_timeout_s
+            gen.metadata = (("authorization", f"Bearer {connect.token}"),) if connect.token else ()
+            try:
+                if isinstance(via, GenerateStream):
+                    result = await gen.run(via)
+                elif isinstance(via, grpc.aio.Channel):
+                    result = await _on_own_call(gen, via)
+                else:
+                    async with open_channel(via[attempt % len(via)], connect) as ch:
+                        result = await _on_own_call(gen, ch)
+                result.stats.reconnects = attempt
+                return result
+            except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
+                delay = retry_delay(exc, backoff)
+                if delay is None or attempt == connect.retries:
+                    raise
+                if gen.edge is not None:
+                    committed = gen.edge.generated  # includes what earlier attempts committed
+                if isinstance(via, GenerateStream):
+                    via.fail_over()
+                # A retry can take seconds (backoff doubles up to 8 s): say so, or a device looks hung.
+                log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d)",
+                            _describe(exc), delay, attempt + 1, connect.retries)
+                await asyncio.sleep(delay)
+                backoff = min(backoff * 2, 8.0)
     raise AssertionError("the retry loop returns or raises")
 
 
@@ -577,6 +579,8 @@ def token_ids(ids: Sequence[int], name: str) -> list[int]:
         out = [operator.index(t) for t in ids]
     except TypeError:
         raise ValueError(f"{name} must be token ids (whole numbers), got {ids!r:.80}") from None
+    if any(isinstance(t, bool) for t in ids):
+        raise ValueError(f"{name} must be token ids (whole numbers), got a bool")
     if bad := [t for t in out if not 0 <= t < 2**32]:
         raise ValueError(f"{name} must be token ids (0 to 2**32 - 1), got {bad[0]}")
     return out

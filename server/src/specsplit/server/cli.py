@@ -75,15 +75,14 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(args.gil_switch_ms / 1000)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specsplit.server.loading import resolve_dtype
+    from specsplit.server.loading import MissingWeights, UnreadableModel, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
     log.info("loading target %s (%s on %s, %s engine)", args.target, dtype, args.device, args.engine)
     try:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
-    # No such path, a hub id that cannot be fetched, a partial checkpoint (MissingWeights), a
-    # file transformers cannot read as GGUF (ValueError).
-    except (OSError, ValueError) as exc:
+    # No such path, a hub id that cannot be fetched, a partial checkpoint, a file that is no model.
+    except (OSError, MissingWeights, UnreadableModel) as exc:
         print(f"error: cannot load the target {args.target}: {exc}", file=sys.stderr)
         return 2
     if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
@@ -150,15 +149,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from specsplit.server.export import ExportParityError, export_draft
+    from specsplit.server.loading import MissingWeights, UnreadableModel
 
     try:
         meta = export_draft(args.model, Path(args.out), quantize=args.quantize, tolerance=args.tolerance)
     except ExportParityError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    # A model that is not there or not whole (MissingWeights), a file transformers cannot read
-    # as GGUF, an --out that may not be replaced.
-    except (OSError, ValueError) as exc:
+    # A model that is not there, not whole or no model at all, an --out that may not be replaced.
+    except (OSError, MissingWeights, UnreadableModel) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(

@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from specsplit.common.address import bracketed
+
 
 def check_listeners(count: int) -> None:
     if count < 1:
@@ -27,7 +29,7 @@ def check_port_free(host: str, port: int) -> None:
     addresses cannot all be bound (localhost's ::1 where IPv6 is off) is served on those that
     can. Two servers starting at the same instant can still both pass before either binds."""
     bare = host.strip("[]")  # gRPC writes IPv6 addresses in brackets, getaddrinfo without
-    where = f"[{bare}]:{port}" if ":" in bare else f"{host}:{port}"
+    where = f"{bracketed(host)}:{port}"
     if not 0 <= port <= 65535:
         raise OSError(f"port {port} is out of range (0 to 65535)")
     if port == 0:

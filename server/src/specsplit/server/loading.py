@@ -100,6 +100,10 @@ class MissingWeights(ValueError):
     """A checkpoint that lacks some of its model's weights, which would be left random."""
 
 
+class UnreadableModel(ValueError):
+    """Files transformers cannot read as a model (a .gguf that is none, a broken config)."""
+
+
 def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None,
                load_format: str = "auto", rows_invariant: bool = True) -> LoadedModel:
     """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id.
@@ -122,18 +126,21 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     source, extra = _split_gguf(path)
-    tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-    if attn:
-        extra["attn_implementation"] = attn
-    if dummy:
-        config = AutoConfig.from_pretrained(source, **extra)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-        if load_format == "dummy-echo":
-            make_echo(model)
-    else:
-        model, info = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], output_loading_info=True,
-                                                           **extra)
+    try:  # transformers says ValueError for files it cannot make a model of
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        if attn:
+            extra["attn_implementation"] = attn
+        if dummy:
+            config = AutoConfig.from_pretrained(source, **extra)
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+            if load_format == "dummy-echo":
+                make_echo(model)
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], output_loading_info=True,
+                                                               **extra)
+    except ValueError as exc:
+        raise UnreadableModel(f"{path}: transformers cannot read it as a model ({exc})") from exc
         if info["missing_keys"]:
             missing = sorted(info["missing_keys"])
             raise MissingWeights(f"{path}: the checkpoint lacks {len(missing)} of the model's weights "

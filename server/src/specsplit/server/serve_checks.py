@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import ssl
 from pathlib import Path
 
+from specsplit.common.tls import check_pem
 from specsplit.server.auth import load_tokens
 from specsplit.server.listeners import check_port_free
 
@@ -19,29 +19,14 @@ AT_LEAST_ONE = ("listeners", "max_batch_sessions", "max_batch_tokens", "max_sess
 NOT_NEGATIVE = ("threads", "max_idle_streams", "idle_wait_ms", "max_wait_ms", "grace", "pace_tokens_per_s")
 POSITIVE = ("stalled_edge_timeout", "idle_stream_timeout", "gil_switch_ms")
 MAX_MESSAGE_BYTES = 2**31 - 1
-# The start's warm-up passes (engine.warm_up) need 38 positions of a slot, and a shorter
-# slot would not hold a chat prompt anyway. (A constant here: this module imports no torch.)
-MIN_STATIC_LEN = 64
+# A slot keeps the widest pass (32 tokens) free past a session's end, and the start's
+# warm-up passes (engine.warm_up) need 38 positions more; a shorter slot would not hold a
+# chat prompt anyway. (A constant here, tested against warm_up: this module imports no torch.)
+MIN_STATIC_LEN = 128
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _check_tls(cert: str, key: str, client_ca: str | None) -> None:
-    """ValueError unless the key is the certificate's and every file is PEM: gRPC finds out
-    only when it binds, after the model has loaded, and reports a port it could not bind."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        ctx.load_cert_chain(cert, key)
-    except ssl.SSLError as exc:
-        raise ValueError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its own key "
-                         f"({exc.reason or exc})") from None
-    if client_ca is not None:
-        try:
-            ctx.load_verify_locations(client_ca)
-        except ssl.SSLError as exc:
-            raise ValueError(f"--tls-client-ca {client_ca} holds no PEM certificate ({exc.reason or exc})") from None
 
 
 def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
@@ -60,7 +45,7 @@ def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
             raise ValueError(f"{_flag(name)} must be above 0, got {getattr(args, name)}")
     if args.max_message_bytes > MAX_MESSAGE_BYTES:  # gRPC's option is a C int
         raise ValueError(f"--max-message-bytes must be at most {MAX_MESSAGE_BYTES}, got {args.max_message_bytes}")
-    if args.static_max_len < MIN_STATIC_LEN:
+    if args.engine != "dynamic" and args.static_max_len < MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")
     if args.max_context is not None and args.max_context < 1:
         raise ValueError(f"--max-context must be at least 1 (or left out: the target's), got {args.max_context}")
@@ -73,7 +58,7 @@ def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
         if path is not None and Path(path).is_dir():
             raise OSError(f"{flag} {path} is a directory")
     if args.tls_cert:
-        _check_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+        check_pem(args.tls_cert, args.tls_key, args.tls_client_ca, ca_flag="--tls-client-ca")
     tokens = load_tokens(Path(args.tokens_file)) if args.tokens_file is not None else None  # errors name the line
     check_port_free(args.host, args.port)
     if args.metrics_host is not None and args.metrics_port is None:

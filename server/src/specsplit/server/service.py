@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specsplit.common.address import bracketed
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
@@ -234,10 +235,6 @@ def _generic_handler(service: SpecSplitService) -> grpc.GenericRpcHandler:
     )
 
 
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host  # an IPv6 address, bracketed in a URL
-
-
 async def serve(
     engine: Engine, sched: SchedulerConfig, cfg: ServeConfig, ready: asyncio.Event | None = None
 ) -> None:
@@ -302,7 +299,7 @@ async def serve(
         limits.target_model, address, " with TLS" if cfg.tls else "",
         f" ({cfg.listeners} listeners)" if cfg.listeners > 1 else "", limits.vocab_size, limits.max_context,
         limits.tokenizer_fingerprint,
-        f"; metrics on http://{_url_host(cfg.metrics_host or cfg.host)}:{cfg.metrics_port}/metrics"
+        f"; metrics on http://{bracketed(cfg.metrics_host or cfg.host)}:{cfg.metrics_port}/metrics"
         if cfg.metrics_port is not None else "",
     )
     if ready is not None:

@@ -39,15 +39,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def validate(self) -> None:
+    def problem(self) -> tuple[str, str] | None:
+        """(field, what is wrong with it) for the first setting no server takes, or None."""
         if not math.isfinite(self.temperature) or self.temperature < 0 or self.temperature > 100:
-            raise InvalidOpen(f"temperature must be in [0, 100], got {self.temperature}")
+            return "temperature", f"must be in [0, 100], got {self.temperature}"
         if not math.isfinite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
-            raise InvalidOpen(f"top_p must be in [0, 1], got {self.top_p}")
+            return "top_p", f"must be in [0, 1], got {self.top_p}"
         if self.top_k < 0:
-            raise InvalidOpen(f"top_k must be >= 0, got {self.top_k}")
+            return "top_k", f"must be >= 0, got {self.top_k}"
         if not 0 <= self.seed < 2**64:
-            raise InvalidOpen(f"seed must fit in 64 unsigned bits, got {self.seed}")
+            return "seed", f"must fit in 64 unsigned bits, got {self.seed}"
+        return None
+
+    def validate(self) -> None:
+        if problem := self.problem():
+            raise InvalidOpen(" ".join(problem))
 
 
 @dataclass(frozen=True)
