@@ -141,12 +141,12 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
                                                                **extra)
     except ValueError as exc:
         raise UnreadableModel(f"{path}: transformers cannot read it as a model ({exc})") from exc
-        if info["missing_keys"]:
-            missing = sorted(info["missing_keys"])
-            raise MissingWeights(f"{path}: the checkpoint lacks {len(missing)} of the model's weights "
-                                 f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); they would "
-                                 "be random. A directory made by an older `models prepare` is made again by "
-                                 "running it; otherwise point at the complete checkpoint")
+    if not dummy and info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise MissingWeights(f"{path}: the checkpoint lacks {len(missing)} of the model's weights "
+                             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); they would "
+                             "be random. A directory made by an older `models prepare` is made again by "
+                             "running it; otherwise point at the complete checkpoint")
     model.to(device).eval()
     if rows_invariant and device == "cpu" and dtype == "bf16":
         make_rows_invariant(model)
