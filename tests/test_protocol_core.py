@@ -19,7 +19,7 @@ from specsplit.protocol.messages import (
     VerificationMode,
 )
 from specsplit.protocol.server_session import ServerConnection, ServerSession
-from protocol_sim import EOS, VOCAB, target_logits, target_next, task_logits
+from protocol_sim import EOS, VOCAB, target_next, task_logits
 
 LIMITS = ServerLimits(vocab_size=VOCAB, max_context=40, max_lookahead=8, max_chunk=6, eos_ids=(EOS,))
 PROMPT = (3, 4, 5)
