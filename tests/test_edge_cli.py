@@ -75,11 +75,18 @@ def test_a_prompts_file_that_cannot_be_read_is_an_error_line(tiny, tmp_path, cap
     assert "nowhere does not exist" in capsys.readouterr().err
 
 
-def test_files_are_checked_before_the_draft_loads_and_named_by_their_option(tmp_path, capsys) -> None:
-    for flag in ("--prompts-file", "--stats-json"):
-        extra = [flag, str(tmp_path / "no" / "such.txt")] + (["hi"] if flag == "--stats-json" else [])
-        assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"), *extra]) == 2
-        assert capsys.readouterr().err == f"error: {flag} {tmp_path / 'no' / 'such.txt'}: No such file or directory\n"
+@pytest.mark.parametrize(("flag", "message"), [("--prompts-file", "No such file or directory"),
+                                              ("--stats-json", "its directory does not exist")])
+def test_files_are_checked_before_the_draft_loads_and_named_by_their_option(tmp_path, capsys, flag, message) -> None:
+    extra = [flag, str(tmp_path / "no" / "such.txt")] + (["hi"] if flag == "--stats-json" else [])
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"), *extra]) == 2
+    assert capsys.readouterr().err == f"error: {flag} {tmp_path / 'no' / 'such.txt'}: {message}\n"
+
+
+def test_no_standard_input_to_read_prompts_from_is_named(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "stdin", None)  # started with stdin closed (<&-)
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path), "--prompts-file", "-"]) == 2
+    assert "--prompts-file -: there is no standard input" in capsys.readouterr().err
 
 
 def test_a_prompts_file_that_is_not_utf8_is_an_error(tiny, tmp_path, capsys) -> None:
@@ -138,6 +145,10 @@ def test_a_stats_file_keeps_its_content_when_the_draft_fails_to_load(tmp_path, c
     assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"),
                  "--stats-json", str(stats), "hi"]) == 2
     assert "nowhere does not exist" in capsys.readouterr().err and stats.read_text() == "earlier run\n"
+    fresh = tmp_path / "fresh.jsonl"
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"),
+                 "--stats-json", str(fresh), "hi"]) == 2
+    assert not fresh.exists()  # nor is an empty one left behind
 
 
 def test_ctrl_c_at_an_interactive_prompt_ends_the_program(tiny) -> None:

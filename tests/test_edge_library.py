@@ -25,6 +25,8 @@ NOWHERE = "127.0.0.1:1"  # nothing listens: a check that waits for the network w
     ({"window": True}, "window"),
     ({"stop_ids": (-1,)}, "stop_ids"),
     ({"sampling": SamplingParams(temperature=-1.0)}, "sampling.temperature"),
+    ({"sampling": SamplingParams(top_k=1.5)}, "sampling.top_k"),  # was: a TypeError in the encoding
+    ({"sampling": SamplingParams(temperature=True)}, "sampling.temperature"),
     ({"branches": 1.5}, "branches"),
     ({"stop_ids": (True,)}, "stop_ids"),
     ({"sampling": None}, "sampling"),
@@ -44,6 +46,7 @@ def test_an_edge_config_no_generation_can_run_with_is_refused(kw, field) -> None
     ({"backoff_s": float("nan")}, "backoff_s"),
     ({"token": ""}, "token"),  # was: no token sent, silently
     ({"backoff_s": None}, "backoff_s"),  # was: a TypeError
+    ({"stall_timeout_s": True}, "stall_timeout_s"),
     ({"token": "secret\n"}, "token"),
 ])
 def test_connect_options_no_call_can_use_are_refused(kw, field) -> None:
@@ -58,6 +61,8 @@ def test_connect_options_no_call_can_use_are_refused(kw, field) -> None:
     ([1, 2**33], "prompt_ids must be token ids"),
     ("hello", "prompt_ids must be token ids"),  # a string where ids belong
     ([1.5], "prompt_ids must be token ids"),
+    ([1, True], "prompt_ids must be token ids"),
+    ((t for t in [1, True]), "prompt_ids must be token ids"),  # an iterator, looked at once
 ])
 def test_prompt_ids_that_are_no_token_ids_are_refused_before_any_call(ids, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -134,8 +139,11 @@ def test_a_kept_stream_stays_with_its_generation_between_attempts(tiny, server) 
             stream = GenerateStream.on(dead, live)
             first = asyncio.create_task(generate(stream, ids, cfg, fingerprint=tok.fingerprint,
                                                  connect=ConnectOptions(retries=1, backoff_s=1.0)))
-            while stream.server == 0:  # the first attempt failed over: its backoff has begun
-                await asyncio.sleep(0.01)
+            async def failed_over() -> None:  # the first attempt failed over: its backoff has begun
+                while stream.server == 0:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(failed_over(), 30)  # a regression fails rather than hangs
             try:
                 await generate(stream, ids, cfg, fingerprint=tok.fingerprint)
                 second: Exception | None = None

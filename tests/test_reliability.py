@@ -406,7 +406,7 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--gil-switch-ms", "nan"], "--gil-switch-ms must be above 0"),
         (["--target", "/no/such/model", "--grace", "nan"], "--grace must be 0 or more"),
         (["--target", "/no/such/model", "--max-message-bytes", "99999999999"], "at most 2147483647"),
-        (["--target", "/no/such/model", "--static-max-len", "16"], "--static-max-len must be at least 128"),
+        (["--target", "/no/such/model", "--engine", "static", "--static-max-len", "16"], "--static-max-len must be at least 128"),
     ],
 )
 def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:

@@ -125,28 +125,27 @@ async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIter
 
 
 def open_prompts(args: argparse.Namespace) -> TextIO | None:
-    """--prompts-file, open (None for PROMPT), and --stats-json found writable, before the
-    draft is loaded: a wrong path costs a second. OSError naming the option otherwise.
-    (The stats file is only created here: a run that fails to load keeps its old content.)"""
-    prompts = None
+    """--prompts-file, open (None for PROMPT), with --stats-json found writable, before the
+    draft is loaded: a wrong path costs a second. OSError naming the option otherwise. (The
+    stats file is only looked at here: a run that fails to load leaves it as it was.)"""
+    if args.stats_json:
+        stats = Path(args.stats_json)
+        if stats.is_dir():
+            raise OSError(f"--stats-json {stats} is a directory")
+        if not stats.exists() and not stats.parent.is_dir():
+            raise OSError(f"--stats-json {stats}: its directory does not exist")
+        if not os.access(stats if stats.exists() else stats.parent, os.W_OK):
+            raise OSError(f"--stats-json {stats} cannot be written here")
+    if args.prompts_file == "-":
+        if sys.stdin is None:
+            raise OSError("--prompts-file -: there is no standard input")
+        return sys.stdin
+    if args.prompts_file is None:
+        return None
     try:
-        if args.prompts_file == "-":
-            if sys.stdin is None:
-                raise OSError("--prompts-file -: there is no standard input")
-            prompts = sys.stdin
-        elif args.prompts_file is not None:
-            flag = "--prompts-file"
-            prompts = open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
-        if args.stats_json:
-            flag = "--stats-json"
-            open(args.stats_json, "a", encoding="utf-8").close()
+        return open(args.prompts_file, encoding="utf-8")  # noqa: SIM115
     except OSError as exc:
-        if prompts is not None and prompts is not sys.stdin:
-            prompts.close()
-        if exc.filename is None:
-            raise
-        raise OSError(f"{flag} {exc.filename}: {exc.strerror}") from None
-    return prompts
+        raise OSError(f"--prompts-file {args.prompts_file}: {exc.strerror}") from None
 
 
 async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompts: TextIO | None) -> int:
@@ -154,11 +153,14 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
     try:
         tokenizer = EdgeTokenizer(directory)
         drafter = None if args.mode == "none" else OnnxDrafter(directory, threads=args.threads)
+        try:
+            stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
+        except OSError as exc:
+            raise OSError(f"--stats-json {args.stats_json}: {exc.strerror}") from None
     except BaseException:
         if prompts is not None and prompts is not sys.stdin:
             prompts.close()  # not yet handed to its reading thread, which would close it
         raise
-    stats_file = open(args.stats_json, "w", encoding="utf-8") if args.stats_json else None  # noqa: SIM115
     cfg, connect = args.config, args.connect
     # Every prompt's generation on one kept stream (a new Open after each Done, no new call),
     # which moves to the next server only when its own fails.

@@ -81,7 +81,8 @@ class StreamStalled(Exception):
 
 
 class ConfigError(ValueError):
-    """A setting no generation can run with; `field` names it (`EdgeConfig`, `ConnectOptions`)."""
+    """A setting no generation can run with; `field` names it (`EdgeConfig`, `ConnectOptions`;
+    a sampling setting as `sampling.top_p`, say)."""
 
     def __init__(self, field_name: str, problem: str) -> None:
         super().__init__(f"{field_name} {problem}")
@@ -92,6 +93,10 @@ class ConfigError(ValueError):
 def _whole(value: object) -> bool:
     """An int or numpy integer, not a bool (which Python counts as one)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # EdgeConfig's whole-number settings and their least values.
@@ -113,10 +118,10 @@ class ConnectOptions:
             raise ConfigError("token", "must be printable ASCII, without line ends")
         if not _whole(self.retries) or self.retries < 0:
             raise ConfigError("retries", f"must be a whole number, 0 or more, got {self.retries!r}")
-        if self.stall_timeout_s is not None and (not isinstance(self.stall_timeout_s, numbers.Real)
+        if self.stall_timeout_s is not None and (not _real(self.stall_timeout_s)
                                                  or not 0 < self.stall_timeout_s < math.inf):
             raise ConfigError("stall_timeout_s", f"must be above 0, got {self.stall_timeout_s!r}")
-        if not isinstance(self.backoff_s, numbers.Real) or not 0 <= self.backoff_s < math.inf:
+        if not _real(self.backoff_s) or not 0 <= self.backoff_s < math.inf:
             raise ConfigError("backoff_s", f"must be 0 or more, got {self.backoff_s!r}")
 
 
@@ -575,6 +580,7 @@ async def generate(
 def token_ids(ids: Sequence[int], name: str) -> list[int]:
     """`ids` as a list of ints (a tokenizer's numpy integers too); ValueError naming `name`
     for anything that is not a token id, found before the protobuf encoding would be."""
+    ids = list(ids)  # looked at twice below: an iterator would be spent by the first look
     try:
         out = [operator.index(t) for t in ids]
     except TypeError:

@@ -37,14 +37,14 @@ class EdgeTokenizer:
         self.chat_template: str | None = (
             template_path.read_text(encoding="utf-8") if template_path.is_file() else self._config.get("chat_template")
         )
-        self._template: Template | ValueError | None = None  # the compiled template, or why it does not parse
+        self._template: Template | str | None = None  # the compiled template, or why it does not parse
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             try:  # compiled once; a broken one matters only to chat prompts, not to raw ones
                 self._template = env.from_string(self.chat_template)
             except TemplateError as exc:
-                self._template = ValueError(f"the chat template in {source} does not parse ({exc})")
+                self._template = f"the chat template in {source} does not parse ({exc})"
         self.fingerprint = vocab_fingerprint(self._tok.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
@@ -60,8 +60,8 @@ class EdgeTokenizer:
         """The text of a one-turn chat, rendered with the model's own template."""
         if self._template is None:
             raise ValueError("this model has no chat template: send the prompt as it is (specsplit-edge: --raw)")
-        if isinstance(self._template, ValueError):
-            raise self._template
+        if isinstance(self._template, str):
+            raise ValueError(self._template)
         special = {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
         try:
             return self._template.render(messages=[{"role": "user", "content": user_text}],

@@ -118,7 +118,8 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
     linear layer's weights.
 
     Raises MissingWeights where the checkpoint lacks weights the model has: transformers
-    would start them at random and warn, and the model would serve noise."""
+    would start them at random and warn, and the model would serve noise; UnreadableModel
+    where transformers cannot make a model of the files (or of `attn`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dummy = load_format != "auto"

@@ -45,7 +45,8 @@ def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
             raise ValueError(f"{_flag(name)} must be above 0, got {getattr(args, name)}")
     if args.max_message_bytes > MAX_MESSAGE_BYTES:  # gRPC's option is a C int
         raise ValueError(f"--max-message-bytes must be at most {MAX_MESSAGE_BYTES}, got {args.max_message_bytes}")
-    if args.engine != "dynamic" and args.static_max_len < MIN_STATIC_LEN:
+    static = args.engine == "static" or (args.engine == "auto" and args.device == "cuda")  # as _serve resolves it
+    if static and args.static_max_len < MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")
     if args.max_context is not None and args.max_context < 1:
         raise ValueError(f"--max-context must be at least 1 (or left out: the target's), got {args.max_context}")

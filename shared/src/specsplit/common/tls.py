@@ -1,10 +1,13 @@
 """TLS files as the command lines take them: PEM, checked before any call or bind."""
 from __future__ import annotations
 
+import re
 import ssl
 from pathlib import Path
 
 import grpc
+
+_CERTIFICATE = re.compile(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.DOTALL)
 
 
 def check_pem(cert: str | None = None, key: str | None = None, ca: str | None = None,
@@ -12,23 +15,33 @@ def check_pem(cert: str | None = None, key: str | None = None, ca: str | None = 
     """ValueError, naming the option, unless `cert` and `key` are a PEM certificate and its
     own unencrypted key, and `ca` holds a PEM certificate. gRPC takes any bytes and finds out
     only at the handshake (a client: every call fails as if the server were lost) or at the
-    bind, after a server's model has loaded."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if cert and key:
+    bind, after a server's model has loaded. Files that are not regular files (a pipe, say)
+    are left to gRPC: they can be read only once."""
+    if cert and key and Path(cert).is_file() and Path(key).is_file():
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.set_ciphers("DEFAULT:@SECLEVEL=0")  # judge the files, not OpenSSL's policy: gRPC takes old keys
         try:  # no password: OpenSSL would otherwise ask for one on the terminal
             ctx.load_cert_chain(cert, key, password=lambda: b"")
-        except OSError as exc:  # ssl.SSLError is one too
+        except ssl.SSLError as exc:
             raise ValueError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its own "
-                             f"unencrypted key ({_reason(exc)})") from None
-    if ca:
-        try:
-            ctx.load_verify_locations(ca)
+                             f"unencrypted key ({exc.reason or exc})") from None
         except OSError as exc:
-            raise ValueError(f"{ca_flag} {ca} holds no PEM certificate ({_reason(exc)})") from None
+            raise ValueError(f"--tls-cert {cert} or --tls-key {key} cannot be read ({exc.strerror})") from None
+    if ca and Path(ca).is_file():
+        try:
+            text = Path(ca).read_text(encoding="ascii", errors="replace")
+        except OSError as exc:
+            raise ValueError(f"{ca_flag} {ca} cannot be read ({exc.strerror})") from None
+        if not any(_loads(block) for block in _CERTIFICATE.findall(text)):  # gRPC takes a bundle's good ones
+            raise ValueError(f"{ca_flag} {ca} holds no PEM certificate")
 
 
-def _reason(exc: OSError) -> str:
-    return getattr(exc, "reason", None) or exc.strerror or str(exc)
+def _loads(certificate: str) -> bool:
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=certificate)
+    except ssl.SSLError:
+        return False
+    return True
 
 
 def client_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
@@ -42,11 +55,16 @@ def client_credentials(ca: str | None, cert: str | None, key: str | None) -> grp
     if not (ca or cert):
         return None
     for flag, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
-        if path and not Path(path).is_file():
+        if path and (not Path(path).exists() or Path(path).is_dir()):
             raise ValueError(f"{flag} {path}: no such file")
     check_pem(cert, key, ca)
 
-    def read(path: str | None) -> bytes | None:
-        return Path(path).read_bytes() if path else None
+    def read(flag: str, path: str | None) -> bytes | None:
+        if not path:
+            return None
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path} cannot be read ({exc.strerror})") from None
 
-    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+    return grpc.ssl_channel_credentials(read("--tls-ca", ca), read("--tls-key", key), read("--tls-cert", cert))

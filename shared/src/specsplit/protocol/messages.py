@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from specsplit.protocol.errors import InvalidOpen
@@ -41,6 +42,11 @@ class SamplingParams:
 
     def problem(self) -> tuple[str, str] | None:
         """(field, what is wrong with it) for the first setting no server takes, or None."""
+        for name, kind, what in (("temperature", numbers.Real, "a number"), ("top_p", numbers.Real, "a number"),
+                                 ("top_k", numbers.Integral, "a whole number"), ("seed", numbers.Integral, "a whole number")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                return name, f"must be {what}, got {value!r}"
         if not math.isfinite(self.temperature) or self.temperature < 0 or self.temperature > 100:
             return "temperature", f"must be in [0, 100], got {self.temperature}"
         if not math.isfinite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
