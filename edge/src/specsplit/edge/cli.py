@@ -288,8 +288,8 @@ FLAGS = {"stop_ids": "--stop-id", "stall_timeout_s": "--stall-timeout", "token":
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the first setting that no generation can run with. Keeps what
-    it built on `args`: `servers`, `sampling`, `config` (EdgeConfig) and `connect`
-    (ConnectOptions), whose own checks name their fields, here turned into flags."""
+    it built on `args`: `servers`, `config` (EdgeConfig) and `connect` (ConnectOptions),
+    whose own checks name their fields, here turned into flags."""
     args.servers = server_list(args.server)
     if args.threads < 0:
         raise ValueError(f"--threads must be at least 0, got {args.threads}")
@@ -300,12 +300,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--timeline is written to --stats-json: give that too")
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("PROMPT is empty")
-    args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     try:
         args.config = EdgeConfig(
             mode=args.mode, window=args.window, adaptive_window=args.adaptive_window, k=args.k,
             branch_tokens=args.branch_tokens, branches=args.branches, max_new_tokens=args.max_new_tokens,
-            sampling=args.sampling, verification=VERIFICATION[args.verification] if args.verification else None,
+            sampling=SamplingParams(args.temperature, args.top_p, args.top_k, args.seed),
+            verification=VERIFICATION[args.verification] if args.verification else None,
             sparse_top_k=args.sparse_top_k, stop_ids=tuple(args.stop_id), timeline=args.timeline,
         )
         args.connect = ConnectOptions(

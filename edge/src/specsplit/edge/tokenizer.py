@@ -37,6 +37,8 @@ class EdgeTokenizer:
         self.chat_template: str | None = (
             template_path.read_text(encoding="utf-8") if template_path.is_file() else self._config.get("chat_template")
         )
+        # The template's special tokens (bos_token, eos_token, ...), as transformers passes them.
+        self._special = {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
         self._template: Template | str | None = None  # the compiled template, or why it does not parse
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -62,9 +64,8 @@ class EdgeTokenizer:
             raise ValueError("this model has no chat template: send the prompt as it is (specsplit-edge: --raw)")
         if isinstance(self._template, str):
             raise ValueError(self._template)
-        special = {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
         try:
             return self._template.render(messages=[{"role": "user", "content": user_text}],
-                                         add_generation_prompt=True, **special)
+                                         add_generation_prompt=True, **self._special)
         except TemplateError as exc:  # raise_exception's ValueError passes as it is
             raise ValueError(f"the chat template failed on this prompt ({exc})") from None

@@ -263,8 +263,9 @@ async def serve(
     servers, port = bind_listeners(cfg.listeners, cfg.host, cfg.port, register, options, interceptors,
                                    cfg.tls.credentials() if cfg.tls else None)
     address = f"{cfg.host}:{port}"
+    metrics_host = cfg.metrics_host or cfg.host
     if cfg.metrics_port is not None:
-        metrics.serve(cfg.metrics_port, cfg.metrics_host or cfg.host)
+        metrics.serve(cfg.metrics_port, metrics_host)
     for server in servers:
         await server.start()
     for name in ("", SERVICE_NAME):
@@ -299,7 +300,7 @@ async def serve(
         limits.target_model, address, " with TLS" if cfg.tls else "",
         f" ({cfg.listeners} listeners)" if cfg.listeners > 1 else "", limits.vocab_size, limits.max_context,
         limits.tokenizer_fingerprint,
-        f"; metrics on http://{bracketed(cfg.metrics_host or cfg.host)}:{cfg.metrics_port}/metrics"
+        f"; metrics on http://{bracketed(metrics_host)}:{cfg.metrics_port}/metrics"
         if cfg.metrics_port is not None else "",
     )
     if ready is not None:
