@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = ("torch", "transformers", "triton", "nvidia-")
@@ -70,7 +71,6 @@ def test_compose_builds_the_gpu_image_apart_and_lets_the_server_drain() -> None:
     cli = compose_cli()
     if cli is None:
         pytest.skip("no compose implementation installed (.ci/run installs one)")
-    yaml = pytest.importorskip("yaml")
     env = {**os.environ, "TORCH_INDEX_URL": "https://cpu.example/whl"}
     env.pop("TORCH_GPU_INDEX_URL", None)
     proc = subprocess.run([*cli, "-f", str(ROOT / "docker-compose.yml"), "--profile", "gpu", "config"],
