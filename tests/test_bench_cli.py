@@ -78,6 +78,15 @@ def test_a_draft_export_and_a_model_directory_must_be_what_they_say(tmp_path) ->
     (["--target", "/nonexistent"], "no config.json"),
     (["--sessions-for", "none=abc"], "MODE=COUNTS"),
     (["--branch-coverage", "0.3", "--draft-delay-ms", "5"], "--branch-coverage needs"),
+    # A server already running: only the options that can reach it, and a draft for its tokenizer.
+    (["--server", "localhost"], "give HOST:PORT"),
+    (["--server", "localhost:5"], "--server needs --draft"),
+    (["--server", "localhost:5", "--target-config", "qwen2-7b"], "--target-config is for the server the load test starts"),
+    (["--server", "localhost:5", "--device", "cpu"], "--device is for the server the load test starts"),
+    (["--server", "localhost:5", "--server-arg=--max-wait-ms=5"], "--server-arg is for the server"),
+    (["--tls-ca", "ca.pem"], "--tls-ca needs --server"),
+    (["--metrics-url", "http://h:9100/metrics"], "--metrics-url needs --server"),
+    (["--server", "h:5", "--metrics-url", "h:9100"], "give an http:// or https:// URL"),
 ])
 def test_the_load_test_refuses_settings_before_it_starts_anything(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import shutil
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from certs import make_pki
+from conftest import free_port, launch_server
+from loadtest import run as loadtest_run
 from loadtest.capacity import capacity
+from loadtest.connection import ServerConnection
 from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
@@ -29,6 +34,7 @@ from loadtest.timeline import Acceptance
 from loadtest.workers import ClientWorkers
 from prompt_set import benchmark_prompts
 from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.server import cli as server_cli
 
 MAX_NEW = 24
 
@@ -46,7 +52,7 @@ def running(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(running):
     _, r = running
-    return reference_continuations(r.server.address, r.prompts, MAX_NEW)
+    return reference_continuations(r.server.connection, r.prompts, MAX_NEW)
 
 
 def test_references_are_the_targets_greedy_continuations(tiny, running, references) -> None:
@@ -61,7 +67,7 @@ def test_references_are_the_targets_greedy_continuations(tiny, running, referenc
 def test_mixed_sessions_are_lossless_and_hit_alpha(tiny, running, references) -> None:
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=7, duration_s=None, generations=3)
-    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 4 + ["onnx"] * 2 + ["none"] * 2)
     assert point["errors"] == {"total": 0, "by_code": {}}
@@ -80,7 +86,7 @@ def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_war
                                                                                        references) -> None:
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, duration_s=0.5, ramp_s=0.6, warmup_s=0.3)
-    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings)
     run = asyncio.run(run_sessions(spec, [(i, "sim") for i in range(4)]))
     assert run.deadline - run.started == pytest.approx(0.6 + 0.3 + 0.5)  # the ramp, the warm-up, the window
@@ -101,7 +107,7 @@ def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, ru
     the late processes' sessions ran their last seconds beside a server the others had left."""
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=4, duration_s=None, generations=1)
-    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings)
     workers = ClientWorkers(2, ())
     try:
@@ -141,7 +147,7 @@ def test_load_generator_processes_do_not_each_get_one_first_prompt() -> None:
     sessions p, p + 12, ...; their first prompts must differ, or a slow process and a slow
     prompt could not be told apart."""
     prompts = tuple((i,) for i in range(12))
-    spec = LoadSpec("localhost:1", prompts, prompts, "", 10, LoadSettings(duration_s=None, generations=1))
+    spec = LoadSpec(ServerConnection("localhost:1"), prompts, prompts, "", 10, LoadSettings(duration_s=None, generations=1))
     for proc in range(12):
         firsts = {_Session(spec, proc + 12 * j, "sim")._prompt(0) for j in range(12)}
         assert len(firsts) == 12, (proc, firsts)
@@ -153,7 +159,7 @@ def test_simulated_edges_branch_beside_wrong_drafts_losslessly(tiny, running, re
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.6, branch_coverage=1.0, seed=3,
                             duration_s=None, generations=3)
-    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 4)
     assert point["errors"] == {"total": 0, "by_code": {}} and point["mismatched_outputs"] == 0
@@ -169,9 +175,9 @@ def test_the_benchmark_prompts_are_sent_as_its_edges_send_them_and_served_lossle
     assert len(prompts.ids) == len(texts) == 12
     assert prompts.ids == tuple(tuple(edge.encode(edge.chat_prompt(t))) for t in texts)
     assert prompts.fingerprint == load_prompts(tiny.target_dir).fingerprint  # the server accepts the edges
-    references = reference_continuations(server.address, prompts, MAX_NEW)
+    references = reference_continuations(server.connection, prompts, MAX_NEW)
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=3, duration_s=None, generations=2)
-    spec = LoadSpec(server.address, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 2 + ["onnx", "none"])
     assert point["errors"]["total"] == 0 and point["generations"] == 4 * 2
@@ -293,7 +299,7 @@ def test_server_speed_is_over_the_set_window_though_processes_start_apart() -> N
     """Each load-generator process measures its own window of --duration; merged, the span
     from the first opening to the last end is longer, and no rate."""
     settings = LoadSettings(duration_s=10.0)
-    spec = LoadSpec("localhost:1", ((1,),), ((2,),), "", 10, settings)
+    spec = LoadSpec(ServerConnection("localhost:1"), ((1,),), ((2,),), "", 10, settings)
     sessions = [SessionLog(i, "none", [_generation(100, 5.0, 100), _generation(100, 5.0, 100)], window_s=10.0)
                 for i in range(3)]
     # Two processes' runs merged: the second began 4 s after the first.
@@ -325,7 +331,7 @@ def test_sessions_are_also_summed_up_by_the_load_generator_process_that_ran_them
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_load_test_edges_adapt_their_lookahead_unless_told_not_to(adaptive) -> None:
     settings = LoadSettings(window=12, adaptive_window=adaptive, duration_s=None, generations=1)
-    spec = LoadSpec("localhost:1", ((1, 2),), ((3,),), "", 10, settings)
+    spec = LoadSpec(ServerConnection("localhost:1"), ((1, 2),), ((3,),), "", 10, settings)
     assert _Session(spec, 0, "sim").cfg.adaptive_window is adaptive
     assert _window({"window": 12, "adaptive_window": adaptive}) == ("adaptive, at most 12" if adaptive else "12, fixed")
 
@@ -343,3 +349,59 @@ def test_a_repeated_point_meets_the_slo_only_if_every_run_does() -> None:
     failed = repeated_point([run(30.0, {"UNAVAILABLE": 1}), run(25.0, {}), run(26.0, {"INTERNAL": 2})], slo=20.0)
     assert not failed["meets_slo"] and failed["session_tok_s"]["min"] == 26.0  # the slowest of the failing runs
     assert failed["errors"] == {"total": 3, "by_code": {"UNAVAILABLE": 1, "INTERNAL": 2}}
+
+
+def _wait_serving(address: str, tls: list[str], deadline_s: float = 60.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while server_cli.main(["health", "--address", address, "--timeout", "2", *tls]) != 0:
+        assert time.monotonic() < deadline, "the TLS server did not come up"
+        time.sleep(0.5)
+
+
+def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(tiny, tmp_path, monkeypatch,
+                                                                                 capsys) -> None:
+    """A site's own server (TLS with client certificates, bearer tokens, metrics on their own
+    port): nothing is started, the worker processes build their own credentials, and the
+    report names neither the files nor the token."""
+    pki = make_pki(tmp_path)
+    token = "0123456789abcdef0123"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"load-test {token}\n")
+    metrics = free_port()
+    ca, cert, key = (str(pki["ca"].with_suffix(".crt")), str(pki["client"].with_suffix(".crt")),
+                     str(pki["client"].with_suffix(".key")))
+    tls = ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key]
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--tls-cert", str(pki["server"].with_suffix(".crt")),
+                       "--tls-key", str(pki["server"].with_suffix(".key")), "--tls-client-ca", ca,
+                       "--tokens-file", str(tokens), "--metrics-port", str(metrics), healthy=False) as (address, _):
+        _wait_serving(address, tls)
+        run = ["--server", address, *tls, "--draft", str(tiny.draft_dir), "--modes", "none,sim,onnx",
+               "--sessions", "2", "--slo", "0", "--generations", "1", "--max-new-tokens", "8", "--window", "8",
+               "--client-procs", "2", "--out-dir", str(tmp_path / "out")]
+        with pytest.raises(SystemExit) as usage:  # checked before anything is sent
+            loadtest_run.main([*run, "--tls-ca", str(tokens), "--name", "x"])
+        assert usage.value.code == 2 and f"--tls-ca {tokens} holds no PEM certificate" in capsys.readouterr().err
+        monkeypatch.setenv("SPECSPLIT_TOKEN", "not-a-registered-token")
+        assert loadtest_run.main([*run, "--name", "refused"]) == 1
+        assert "did not serve a generation: PERMISSION_DENIED" in capsys.readouterr().err
+        monkeypatch.setenv("SPECSPLIT_TOKEN", token)
+        assert loadtest_run.main([*run, "--metrics-url", f"http://127.0.0.1:{metrics}/metrics", "--name", "ext"]) == 0
+        monkeypatch.delenv("SPECSPLIT_TOKEN")
+        assert loadtest_run.main([*run, "--name", "unread"]) == 1  # no token: refused at the warm-up
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+    text = (tmp_path / "out" / "ext.json").read_text()
+    got = json.loads(text)
+    assert got["summary"]["errors"]["total"] == 0 and got["summary"]["mismatched_outputs"] == 0
+    assert got["summary"]["baseline_sessions_at_slo"] == got["summary"]["split_sessions_at_slo"] == 2
+    assert got["models"]["target"]["vocab_size"] == 320 and got["models"]["draft"]["vocab_size"] == 320
+    for mode in ("none", "sim", "onnx"):
+        point = got["results"][mode][-1]
+        assert point["generations"] == 2 and point["server"]["passes"] > 0, mode  # the metrics were read
+        assert point["server"]["rss_peak_mb"] is None, mode  # another machine's process, for all we know
+        assert {p["process"] for p in point["by_process"]} == {0, 1}, mode
+    assert got["server"] == {"connection": f"{address}, mutual TLS, bearer token", "metrics": "read"}
+    md = (tmp_path / "out" / "ext.md").read_text()
+    assert f"- server: already running, at {address}, mutual TLS, bearer token; no RSS figures" in md
+    assert "server not started by the load test" in md and "- load generator: " in md
+    for secret in (token, str(tmp_path)):
+        assert secret not in text and secret not in md

@@ -21,9 +21,9 @@ def capacity(report: dict) -> dict:
     base, split = s["baseline_sessions_at_slo"], s["split_sessions_at_slo"]
     return {
         "device": m.get("gpu") or m["cpu"],
-        "target_config": target["config"],
+        "target_config": target.get("config"),  # None: a server the load test did not start
         "target": target["name"],
-        "dtype": target["dtype"],
+        "dtype": target.get("dtype"),
         "alpha": report["alpha"],
         "slo_tokens_per_s": report["slo"],
         "baseline_sessions_at_slo": base,
@@ -31,7 +31,7 @@ def capacity(report: dict) -> dict:
         "ratio": split / base if base and split is not None else None,  # None: a mode not swept, or none held
         "errors": s["errors"],
         "mismatched_outputs": s["mismatched_outputs"],
-        "server_args": report["server_args"],
+        "server_args": report.get("server_args"),
         "full_report": report.get("name"),
         "rerun": report["rerun"],
     }

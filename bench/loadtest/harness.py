@@ -1,5 +1,5 @@
-"""A whole load test: models, the pinned server, warm-up, reference continuations,
-the sweep, and the report describing all of it."""
+"""A whole load test: models, the pinned server (or one already running), warm-up,
+reference continuations, the sweep, and the report describing all of it."""
 from __future__ import annotations
 
 import os
@@ -9,16 +9,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from loadtest.connection import ServerConnection
 from loadtest.machine import machine_info
-from loadtest.models import Models, choose_models
+from loadtest.models import choose_models, describe_draft
 from loadtest.point import ServerHandle
 from loadtest.prompts import PromptSet, load_prompts
 from loadtest.report import build_report
 from loadtest.sessions import LoadSettings, LoadSpec
 from loadtest.sweep import SweepConfig, reference_continuations, sweep, warm_up
-from loadtest.targets import vocab_size
 from loadtest.workers import ClientWorkers
 from orchestrate import free_port, running_server
+from specsplit.protocol.messages import Opened
 from specsplit.server.loading import resolve_dtype
 
 LOG_TAIL = 3000  # characters of the server log shown when a run fails
@@ -39,6 +42,14 @@ class RunOptions:
     server_log: Path | None = None  # None: a temporary file, shown in part if the run fails
     rerun: str = ""  # the command line that reproduces the run, for the report
     prompt_set: str = "stubs"  # loadtest.prompts.PROMPT_SETS
+    # A server already running (a site's own deployment): none is started, the target and
+    # server options above do not apply, and `draft` (required) gives the prompts' tokenizer.
+    server: ServerConnection | None = None
+    metrics_url: str | None = None  # that server's Prometheus metrics; None: no server figures
+
+
+class SetupError(RuntimeError):
+    """The load test cannot start: a server it did not start refused the warm-up, say."""
 
 
 @contextmanager
@@ -58,14 +69,24 @@ def pinned(cores: Sequence[int]) -> Iterator[None]:
 @dataclass(frozen=True)
 class Running:
     server: ServerHandle
-    models: Models
     prompts: PromptSet
-    server_args: tuple[str, ...]  # given to `serve` besides the port, metrics port, dtype and threads
+    opened: Opened  # the warm-up's: what the server serves (its target's name and vocabulary)
+    draft_dir: Path | None  # the onnx edges' draft
+    setup: dict  # what the report says of the machine, pinning, models and server
+
+
+def _client_pinning(opts: RunOptions) -> dict:
+    return {"client_cores": list(opts.client_cores), "client_procs": opts.client_procs}
 
 
 @contextmanager
 def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = print) -> Iterator[Running]:
-    """The models prepared, the server up and pinned, and this process pinned to the client cores."""
+    """The models prepared, the server up, pinned and warmed up, and this process pinned to
+    the client cores; with `opts.server`, the server given instead (`attached`)."""
+    if opts.server is not None:
+        with attached(opts, log) as running:
+            yield running
+        return
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
         log("preparing models ...")
         models = choose_models(Path(tmp), opts.target, opts.target_config, opts.draft, "onnx" in cfg.modes)
@@ -78,46 +99,77 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
         log(f"starting the server (cores {list(opts.server_cores) or 'any'}) ...")
         serve_args = ["--metrics-port", str(metrics_port), *server_args]
         server_log = opts.server_log or Path(tmp) / "server.log"
+        setup = {
+            "machine": machine_info(opts.device),
+            "pinning": {"server_cores": list(opts.server_cores), "server_threads": opts.server_threads,
+                        **_client_pinning(opts)},
+            "models": models.describe(resolve_dtype(opts.dtype, opts.device), opts.device),
+            "network": "loopback, no added delay",
+            "server_args": ["--dtype", opts.dtype, "--threads", str(opts.server_threads), *server_args],
+        }
         try:
             with running_server(str(models.target_dir), opts.server_cores, serve_args, server_log,
                                 dtype=opts.dtype, threads=opts.server_threads) as (address, proc):
                 with pinned(opts.client_cores):  # only now: the server's pinning is worked out from our cores
-                    yield Running(ServerHandle(address, proc.pid, f"http://127.0.0.1:{metrics_port}/metrics"),
-                                  models, prompts, server_args)
+                    handle = ServerHandle(ServerConnection(address), proc.pid,
+                                          f"http://127.0.0.1:{metrics_port}/metrics")
+                    opened = warm_up(handle.connection, prompts)
+                    yield Running(handle, prompts, opened, models.draft_dir, setup)
         except BaseException:
             if server_log.is_file():
                 log(f"server log, last lines:\n{server_log.read_text()[-LOG_TAIL:]}")
             raise
 
 
+@contextmanager
+def attached(opts: RunOptions, log: Callable[[str], None] = print) -> Iterator[Running]:
+    """A server this load test did not start (`opts.server`), checked and warmed up, with
+    the prompts encoded by the draft's tokenizer. Raises SetupError where it cannot be used."""
+    connection, draft = opts.server, opts.draft
+    assert connection is not None and draft is not None, "a given server needs a draft export for its tokenizer"
+    prompts = load_prompts(draft, opts.prompt_set)
+    handle = ServerHandle(connection, None, opts.metrics_url)
+    try:
+        handle.snapshot()
+    except (OSError, ValueError) as exc:  # unreachable, or not Prometheus' text format
+        raise SetupError(f"the server's metrics at {opts.metrics_url} cannot be read ({exc})") from None
+    log(f"warming up the server at {connection.address} ...")
+    with pinned(opts.client_cores):
+        try:
+            opened = warm_up(connection, prompts)
+        except grpc.aio.AioRpcError as exc:
+            raise SetupError(f"the server at {connection.address} did not serve a generation: "
+                             f"{exc.code().name}: {exc.details()}") from None
+        setup = {
+            "machine": machine_info("remote"),
+            "pinning": {"server": "not started by the load test", **_client_pinning(opts)},
+            "models": {"target": {"name": opened.target_model, "vocab_size": opened.vocab_size},
+                       "draft": describe_draft(draft, draft.name)},
+            "network": "the site's own, between the load generator and the server (not emulated or measured)",
+            "server": {"connection": connection.describe(), "metrics": "read" if opts.metrics_url else "not read"},
+        }
+        yield Running(handle, prompts, opened, draft, setup)
+
+
 def sweep_and_report(running: Running, opts: RunOptions, cfg: SweepConfig, settings: LoadSettings,
                      log: Callable[[str], None] = print) -> dict:
-    """Warm up, take the reference continuations, sweep; the report (see report.build_report)."""
+    """Take the reference continuations, sweep; the report (see report.build_report)."""
     workers = ClientWorkers(opts.client_procs, opts.client_cores) if opts.client_procs > 1 else None
-    address, models, prompts = running.server.address, running.models, running.prompts
+    prompts = running.prompts
     try:
-        warm_up(address, prompts)
-        references = reference_continuations(address, prompts, settings.max_new_tokens)
-        spec = LoadSpec(address, prompts.ids, references, prompts.fingerprint, vocab_size(models.target_dir),
-                        settings, str(models.draft_dir) if models.draft_dir else None)
+        references = reference_continuations(running.server.connection, prompts, settings.max_new_tokens)
+        spec = LoadSpec(running.server.connection, prompts.ids, references, prompts.fingerprint,
+                        running.opened.vocab_size, settings,
+                        str(running.draft_dir) if running.draft_dir else None)
         results = sweep(running.server, spec, cfg, workers, log)
     finally:
         if workers is not None:
             workers.close()
-    setup = {
-        "machine": machine_info(opts.device),
-        "pinning": {"server_cores": list(opts.server_cores), "server_threads": opts.server_threads,
-                    "client_cores": list(opts.client_cores), "client_procs": opts.client_procs},
-        "models": models.describe(resolve_dtype(opts.dtype, opts.device), opts.device),
-        "server_args": ["--dtype", opts.dtype, "--threads", str(opts.server_threads), *running.server_args],
-        "prompt_set": opts.prompt_set,
-        "prompts": list(prompts.texts),
-        "rerun": opts.rerun,
-    }
+    setup = {**running.setup, "prompt_set": opts.prompt_set, "prompts": list(prompts.texts), "rerun": opts.rerun}
     return build_report(setup, cfg, settings, results)
 
 
 def execute(opts: RunOptions, cfg: SweepConfig, settings: LoadSettings, log: Callable[[str], None] = print) -> dict:
-    """A whole run: start, sweep, stop; the report."""
+    """A whole run: start (or attach), sweep, stop; the report."""
     with started(opts, cfg, log) as running:
         return sweep_and_report(running, opts, cfg, settings, log)

@@ -23,10 +23,14 @@ class Models:
         out: dict = {"target": {"name": self.target_name, "config": describe_target(self.target_dir),
                                 "dtype": dtype, "device": device}}
         if self.draft_dir is not None:
-            meta = DraftExportMeta.load(self.draft_dir)
-            out["draft"] = {"name": self.draft_name, "num_layers": meta.num_layers, "vocab_size": meta.vocab_size,
-                            "quantization": meta.weights}
+            out["draft"] = describe_draft(self.draft_dir, self.draft_name)
         return out
+
+
+def describe_draft(draft_dir: Path, name: str) -> dict:
+    """What a report says of the onnx edges' draft."""
+    meta = DraftExportMeta.load(draft_dir)
+    return {"name": name, "num_layers": meta.num_layers, "vocab_size": meta.vocab_size, "quantization": meta.weights}
 
 
 def choose_models(work: Path, target: Path | None, target_config: str | None, draft: Path | None,

@@ -1,13 +1,11 @@
-"""The load test's prompts, tokenized with the target's own tokenizer."""
+"""The load test's prompts, tokenized as the edges tokenize them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
 from prompt_set import benchmark_prompts
-from transformers import AutoTokenizer
 
-from specsplit.common.fingerprint import vocab_fingerprint
 from specsplit.edge.tokenizer import EdgeTokenizer
 
 STUBS = (
@@ -32,15 +30,15 @@ class PromptSet:
     fingerprint: str  # the target tokenizer's, as the server checks it at Open
 
 
-def load_prompts(target_dir: Path, prompt_set: str = "stubs") -> PromptSet:
+def load_prompts(tokenizer_dir: Path, prompt_set: str = "stubs") -> PromptSet:
+    """The set's prompts encoded as the edges encode them, by the tokenizer in
+    `tokenizer_dir` (a target directory, or a draft export, which carries its target's)."""
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"prompt set must be one of {tuple(PROMPT_SETS)}, got {prompt_set!r}")
+    edge = EdgeTokenizer(tokenizer_dir)
     if prompt_set == "stubs":
-        tok = AutoTokenizer.from_pretrained(str(target_dir))
-        ids = tuple(tuple(tok(t, add_special_tokens=False)["input_ids"]) for t in STUBS)
-        return PromptSet(STUBS, ids, vocab_fingerprint(tok.get_vocab()))
-    if prompt_set == "benchmark":
-        edge = EdgeTokenizer(target_dir)  # as the benchmark's edges encode them
-        if not edge.chat_template:
-            raise ValueError(f"the benchmark's prompts need a chat template; {target_dir} has none (use stubs)")
-        texts = tuple(p["text"] for p in benchmark_prompts())
-        return PromptSet(texts, tuple(tuple(edge.encode(edge.chat_prompt(t))) for t in texts), edge.fingerprint)
-    raise ValueError(f"prompt set must be one of {tuple(PROMPT_SETS)}, got {prompt_set!r}")
+        return PromptSet(STUBS, tuple(tuple(edge.encode(t)) for t in STUBS), edge.fingerprint)
+    if not edge.chat_template:
+        raise ValueError(f"the benchmark's prompts need a chat template; {tokenizer_dir} has none (use stubs)")
+    texts = tuple(p["text"] for p in benchmark_prompts())
+    return PromptSet(texts, tuple(tuple(edge.encode(edge.chat_prompt(t))) for t in texts), edge.fingerprint)

@@ -15,11 +15,9 @@ MODE_TITLES = {
     "sim": "simulated edges, async",
     "onnx": "real ONNX Runtime edges, async",
 }
-NETWORK = "loopback, no added delay"
-
-
 def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results: dict[str, list[dict]]) -> dict:
-    """`setup`: machine, pinning, models, server_args, prompts, rerun."""
+    """`setup`: machine, pinning, models, network, server_args (or server, for a server the
+    load test did not start), prompt_set, prompts, rerun."""
     errors: Counter = Counter()
     for points in results.values():
         for p in points:
@@ -33,7 +31,6 @@ def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results:
     }
     return {
         **setup,
-        "network": NETWORK,
         "alpha": settings.alpha,
         "slo": cfg.slo,
         "settings": {"modes": list(cfg.modes), "sessions": {m: list(cfg.counts(m)) for m in cfg.modes},
@@ -98,9 +95,10 @@ def _runs(p: dict) -> str:
 
 def _describe_models(models: dict) -> list[str]:
     t = models["target"]
-    c = t["config"]
+    c = t.get("config")
     lines = [f"- target: {t['name']}: layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, "
-             f"vocab {c['vocab_size']}; {t['dtype']} on {t['device']}"]
+             f"vocab {c['vocab_size']}; {t['dtype']} on {t['device']}" if c else
+             f"- target: {t['name']} (as the server names it in Opened), vocab {t['vocab_size']}"]
     if models.get("draft"):
         d = models["draft"]
         weights = "unquantized" if d["quantization"] == "none" else d["quantization"]
@@ -109,11 +107,27 @@ def _describe_models(models: dict) -> list[str]:
     return lines
 
 
+def _server_pinning(pin: dict) -> str:
+    if "server_cores" not in pin:
+        return "server not started by the load test"
+    return f"server on cores {pin['server_cores'] or 'any'} ({pin['server_threads']} torch thread(s))"
+
+
+def _describe_server(report: dict) -> str:
+    if "server_args" in report:
+        return f"- server arguments: `{' '.join(report['server_args'])}`"
+    server = report["server"]
+    figures = ("" if server["metrics"] == "read" else
+               " (its metrics not read: no batch, pass, loop lag or KV figures)")
+    return f"- server: already running, at {server['connection']}{figures}; no RSS figures"
+
+
 def render_markdown(report: dict, name: str) -> str:
     m, pin, s, summ = report["machine"], report["pinning"], report["settings"], report["summary"]
     gpu = f"; GPU {m['gpu']}" if "gpu" in m else ""
     procs = ("one process holds every edge" if pin["client_procs"] == 1
-             else f"{pin['client_procs']} processes pinned round-robin to those cores, sessions dealt round-robin")
+             else f"{pin['client_procs']} processes" + (" pinned round-robin to those cores" if pin["client_cores"]
+                                                         else "") + ", sessions dealt round-robin")
     per_point = (f"for {s['duration_s']:g} s (generations started until then run to their end)"
                  if s["duration_s"] is not None else f"{s['generations']} generations each")
     ramp, warmup = s.get("ramp_s", 0.0), s.get("warmup_s", 0.0)  # reports from before: all at once
@@ -125,11 +139,10 @@ def render_markdown(report: dict, name: str) -> str:
     lines = [
         f"# gRPC load test: {name}",
         "",
-        f"- machine: {m['cpu']}, {m['cores']} cores ({m['arch']}){gpu}",
-        f"- pinning: server on cores {pin['server_cores'] or 'any'} ({pin['server_threads']} torch thread(s)); "
-        f"load generator on cores {pin['client_cores'] or 'any'} ({procs})",
+        f"- {'machine' if 'server_cores' in pin else 'load generator'}: {m['cpu']}, {m['cores']} cores ({m['arch']}){gpu}",
+        f"- pinning: {_server_pinning(pin)}; load generator on cores {pin['client_cores'] or 'any'} ({procs})",
         *_describe_models(report["models"]),
-        f"- server arguments: `{' '.join(report['server_args'])}`",
+        _describe_server(report),
         f"- network: {report['network']}",
         f"- each point: N sessions, each on its own connection ({calls}), generating back to back {per_point}; "
         f"{arrival}; "

@@ -9,6 +9,13 @@ with Prometheus metrics on; every edge runs in this process (or --client-procs w
 processes), pinned to the other cores. Writes bench/results/NAME.json and NAME.md.
 Exits non-zero if any generation failed or differed from the target's own output.
 
+With --server, no server is started: the load goes to one already running (a site's
+own deployment, over its TLS and with its bearer token), whose target must be the one
+--draft was exported for (the draft's tokenizer encodes the prompts; the server checks
+its fingerprint). Give --metrics-url for the server's figures (batch sizes, pass times,
+KV memory). A target that decodes differently batched (bf16 on a GPU, say) can make a
+few outputs differ from the reference, which the server decodes alone.
+
 Run from the repository root: python bench/loadtest/run.py [options]
 """
 from __future__ import annotations
@@ -22,9 +29,13 @@ if not __package__:
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse  # noqa: E402
+import os  # noqa: E402
+from urllib.parse import urlparse  # noqa: E402
 
-from cli_types import START_CORES, at_least, cores, draft_export, int_list, model_dir, out_dir, report_name  # noqa: E402
-from loadtest.harness import RunOptions, execute  # noqa: E402
+from cli_types import (START_CORES, at_least, cores, draft_export, host_port, int_list, model_dir,  # noqa: E402
+                       out_dir, report_name)
+from loadtest.connection import ServerConnection  # noqa: E402
+from loadtest.harness import RunOptions, SetupError, execute  # noqa: E402
 from loadtest.prompts import PROMPT_SETS  # noqa: E402
 from loadtest.report import write_report  # noqa: E402
 from loadtest.rerun import rerun_command  # noqa: E402
@@ -35,13 +46,22 @@ from orchestrate import server_and_edge_cores  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # Local paths, kept out of the reports' rerun line.
-PATH_OPTIONS = {"--target": "TARGET_DIR", "--draft": "DRAFT_DIR", "--out-dir": "OUT_DIR", "--server-log": "LOG"}
+PATH_OPTIONS = {"--target": "TARGET_DIR", "--draft": "DRAFT_DIR", "--out-dir": "OUT_DIR", "--server-log": "LOG",
+                "--tls-ca": "CA_FILE", "--tls-cert": "CERT_FILE", "--tls-key": "KEY_FILE"}
+# Options for the server the load test starts, meaningless with --server; with their defaults.
+STARTED_SERVER_OPTIONS = {"target": None, "target_config": None, "device": None, "dtype": None, "server_arg": [],
+                          "server_cores": None, "server_threads": None, "server_log": None}
+# Options for a server given with --server.
+GIVEN_SERVER_OPTIONS = ("tls_ca", "tls_cert", "tls_key", "metrics_url")
 
 
-def split_cores(server: tuple[int, ...] | None,
-                client: tuple[int, ...] | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def split_cores(server: tuple[int, ...] | None, client: tuple[int, ...] | None,
+                started: bool = True) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Server and load generator cores; by default the server gets the last core and the
-    load generator the others (no pinning on a single core)."""
+    load generator the others (no pinning on a single core). A server not `started` here
+    gets none, and the load generator is pinned only to cores given."""
+    if not started:
+        return (), client or ()
     if server is None:
         server = tuple(server_and_edge_cores()[0] or ())
     if client is None:
@@ -54,7 +74,8 @@ def log(message: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="With --server, a bearer token is read from $SPECSPLIT_TOKEN.")
     target = p.add_mutually_exclusive_group()
     target.add_argument("--target", type=model_dir, help="target Hugging Face directory (default: the tiny test target, "
                         "built in a temporary directory, with its eos removed so generations run to the limit)")
@@ -62,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve a target of this Qwen2.5 shape with random weights (config.json and the tiny "
                         "tokenizer only; passes --load-format dummy-echo to the server, so that its greedy output "
                         "does not depend on batching)")
-    p.add_argument("--draft", type=draft_export, help="ONNX draft export for onnx edges (default: the tiny test draft)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the server runs the target")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], default="auto", help="the target's dtype")
+    p.add_argument("--draft", type=draft_export, help="ONNX draft export for onnx edges (default: the tiny test "
+                   "draft); with --server, its tokenizer also encodes the prompts")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="where the server runs the target (default cpu)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"], help="the target's dtype (default auto)")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for `specsplit-server serve`, repeatable (e.g. --server-arg=--max-wait-ms=50)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, from none,sim,onnx (default: all)")
@@ -113,7 +135,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=out_dir, default=RESULTS, help="where (default: bench/results)")
     p.add_argument("--server-log", type=Path,
                    help="keep the server's log here (default: not kept; its end is printed if the run fails)")
+    given = p.add_argument_group("a server already running (none is started; the options for one do not apply)")
+    given.add_argument("--server", type=host_port, metavar="HOST:PORT",
+                       help="load this server; needs --draft, the export of a draft for its target")
+    given.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server with: connect over TLS")
+    given.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    given.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
+    given.add_argument("--metrics-url", type=metrics_url, metavar="URL",
+                       help="the server's Prometheus metrics (e.g. http://HOST:9100/metrics; default: not read, "
+                       "and the report has no server figures)")
     return p
+
+
+def metrics_url(text: str) -> str:
+    if urlparse(text).scheme not in ("http", "https") or not urlparse(text).netloc:
+        raise argparse.ArgumentTypeError(f"give an http:// or https:// URL, got {text!r}")
+    return text
+
+
+def check_server_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConnection | None:
+    """The server given with --server, checked (None: the load test starts its own); usage
+    errors for options that belong to the other kind of server."""
+    if args.server is None:
+        given = [name for name in GIVEN_SERVER_OPTIONS if getattr(args, name) is not None]
+        if given:
+            parser.error(f"--{given[0].replace('_', '-')} needs --server: the server the load test starts is "
+                         "plaintext on loopback, its metrics read")
+        return None
+    started = [name for name, default in STARTED_SERVER_OPTIONS.items() if getattr(args, name) != default]
+    if started:
+        parser.error(f"--{started[0].replace('_', '-')} is for the server the load test starts, not one given "
+                     "with --server")
+    if args.draft is None:
+        parser.error("--server needs --draft: its tokenizer encodes the prompts, and the server checks that it "
+                     "is its target's")
+    server = ServerConnection(args.server, args.tls_ca, args.tls_cert, args.tls_key,
+                              os.environ.get("SPECSPLIT_TOKEN") or None)
+    try:
+        server.check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,17 +206,23 @@ def main(argv: list[str] | None = None) -> int:
                                 call_per_generation=args.call_per_generation)
     except ValueError as exc:  # no modes or an unknown one, a count twice, alpha above 1, ...
         parser.error(str(exc))
-    server_cores, client_cores = split_cores(args.server_cores, args.client_cores)
+    server = check_server_options(parser, args)
+    server_cores, client_cores = split_cores(args.server_cores, args.client_cores, started=server is None)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     opts = RunOptions(
-        target=args.target, target_config=args.target_config, draft=args.draft, device=args.device,
-        dtype=args.dtype, server_args=tuple(args.server_arg), server_cores=server_cores,
+        target=args.target, target_config=args.target_config, draft=args.draft, device=args.device or "cpu",
+        dtype=args.dtype or "auto", server_args=tuple(args.server_arg), server_cores=server_cores,
         server_threads=max(1, len(server_cores)) if args.server_threads is None else args.server_threads,
         client_cores=client_cores, client_procs=args.client_procs,
         server_log=args.server_log, prompt_set=args.prompts,
         rerun=rerun_command("bench/loadtest/run.py", argv, PATH_OPTIONS),
+        server=server, metrics_url=args.metrics_url,
     )
-    report = execute(opts, cfg, settings, log)
+    try:
+        report = execute(opts, cfg, settings, log)
+    except (SetupError, ValueError) as exc:  # a given server that refuses us; a prompt set it cannot make
+        log(f"error: {exc}")
+        return 1
     json_path, md_path = write_report(report, args.out_dir, args.name)
     print(md_path.read_text())
     log(f"wrote {json_path} and {md_path}")

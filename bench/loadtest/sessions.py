@@ -16,20 +16,15 @@ from pathlib import Path
 
 import grpc
 
+from loadtest.connection import ServerConnection
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_ms, verdict_latency_ms
-from specsplit.edge.client import ConnectOptions, EdgeConfig, GenerationResult, generate
+from specsplit.edge.client import EdgeConfig, GenerationResult, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 
 KINDS = {"none": "none", "sim": "async", "onnx": "async"}  # session kind -> edge client mode
 ERROR_PAUSE_S = 0.05  # after a failed generation: a refused Open must not become a busy loop
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # gRPC shares connections between channels to one address; each edge is its own device.
-    ("grpc.use_local_subchannel_pool", 1),
-]
 
 
 @dataclass(frozen=True)
@@ -78,7 +73,7 @@ class LoadSettings:
 class LoadSpec:
     """Everything the sessions of a point need (plain values: it crosses to worker processes)."""
 
-    address: str
+    server: ServerConnection
     prompts: tuple[tuple[int, ...], ...]
     references: tuple[tuple[int, ...], ...]  # the target's greedy continuation of each prompt
     fingerprint: str  # the target tokenizer's
@@ -206,7 +201,7 @@ class _Session:
         """Generate from `start_at` on; what counts is committed between `opens` and `deadline`."""
         s = self.spec
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        async with grpc.aio.insecure_channel(s.address, options=CHANNEL_OPTIONS) as channel:
+        async with s.server.channel() as channel:
             stream = None if s.settings.call_per_generation else GenerateStream.on(channel)
             n = 0
             while self._more(n, deadline):
@@ -218,7 +213,7 @@ class _Session:
                 try:
                     result = await generate(stream or channel, s.prompts[prompt], self.cfg,
                                             drafter=self._drafter(prompt), fingerprint=s.fingerprint,
-                                            connect=ConnectOptions(retries=0))
+                                            connect=s.server.connect_options())
                 except grpc.aio.AioRpcError as exc:
                     self.log.errors[exc.code().name] += 1
                     await asyncio.sleep(ERROR_PAUSE_S)

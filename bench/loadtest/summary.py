@@ -98,7 +98,7 @@ def _bucket_bound(hist: dict, q: float) -> float | None:
     return None
 
 
-def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float, rss_peak: float) -> dict:
+def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float | None, rss_peak: float | None) -> dict:
     # {} where the server lacks a histogram (batch tokens: newer servers only).
     passes = histogram_delta(before, after, "specsplit_verification_seconds") or {}
     batch = histogram_delta(before, after, "specsplit_verification_batch_sessions") or {}
@@ -117,12 +117,13 @@ def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float, rs
         "drafts_per_verification_mean": drafts.get("mean"),
         "loop_lag_mean_ms": lag["mean"] * 1000 if lag.get("mean") is not None else None,
         "loop_lag_p99_below_ms": _bucket_bound(lag, 0.99),
-        "kv_peak_mb": kv_peak / MB,
-        "rss_peak_mb": rss_peak / MB,
+        "kv_peak_mb": None if kv_peak is None else kv_peak / MB,
+        "rss_peak_mb": None if rss_peak is None else rss_peak / MB,
     }
 
 
-def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, kv_peak: float, rss_peak: float,
+def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, kv_peak: float | None,
+              rss_peak: float | None,
               client_procs: int = 1) -> dict:
     sessions = run.sessions
     wall = run.finished - run.started

@@ -6,13 +6,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
+from loadtest.connection import ServerConnection
 from loadtest.point import ServerHandle, run_point
 from loadtest.prompts import PromptSet
-from loadtest.sessions import CHANNEL_OPTIONS, LoadSpec
+from loadtest.sessions import LoadSpec
 from loadtest.workers import ClientWorkers
-from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
+from specsplit.edge.client import EdgeConfig, GenerationResult, generate
+from specsplit.protocol.messages import Opened
 
 MODES = ("none", "sim", "onnx")  # server-only; simulated drafter at a set alpha; real ONNX drafter
 WARMUP_TOKENS = 4
@@ -58,24 +58,28 @@ class SweepConfig:
         return max(max(self.counts(m)) for m in self.modes)
 
 
-async def _server_alone(address: str, prompts: PromptSet, max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+async def _server_alone(server: ServerConnection, prompts: PromptSet,
+                        max_new_tokens: int) -> tuple[GenerationResult, ...]:
     cfg = EdgeConfig(mode="none", max_new_tokens=max_new_tokens)
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        results = [await generate(channel, ids, cfg, fingerprint=prompts.fingerprint,
-                                  connect=ConnectOptions(retries=0)) for ids in prompts.ids]
-    return tuple(tuple(r.tokens) for r in results)
+    async with server.channel() as channel:
+        return tuple([await generate(channel, ids, cfg, fingerprint=prompts.fingerprint,
+                                     connect=server.connect_options()) for ids in prompts.ids])
 
 
-def warm_up(address: str, prompts: PromptSet) -> None:
-    """One short generation, discarded: the first pass of a fresh server is slow."""
-    asyncio.run(_server_alone(address, PromptSet(prompts.texts[:1], prompts.ids[:1], prompts.fingerprint),
-                              WARMUP_TOKENS))
+def warm_up(server: ServerConnection, prompts: PromptSet) -> Opened:
+    """One short generation, discarded: the first pass of a fresh server is slow. The
+    server's Opened: what it serves (its target's name and vocabulary)."""
+    first = PromptSet(prompts.texts[:1], prompts.ids[:1], prompts.fingerprint)
+    opened = asyncio.run(_server_alone(server, first, WARMUP_TOKENS))[0].opened
+    assert opened is not None  # a generation that ended well was opened
+    return opened
 
 
-def reference_continuations(address: str, prompts: PromptSet, max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+def reference_continuations(server: ServerConnection, prompts: PromptSet,
+                            max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
     """The target's greedy continuation of each prompt: decoded by the server alone, which
     the protocol makes token for token what any edge must get back."""
-    return asyncio.run(_server_alone(address, prompts, max_new_tokens))
+    return tuple(tuple(r.tokens) for r in asyncio.run(_server_alone(server, prompts, max_new_tokens)))
 
 
 def meets_slo(point: dict, slo: float) -> bool:
