@@ -237,12 +237,14 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:
     cfg = EdgeConfig(max_new_tokens=6)
     with launch_server(tiny.target_dir, tmp_path / "s.log", "--tls-cert", str(pki["server"].with_suffix(".crt")),
                        "--tls-key", str(pki["server"].with_suffix(".key")), "--tls-client-ca",
-                       str(pki["ca"].with_suffix(".crt")), "--tokens-file", str(tokens), healthy=False) as (addr, _):
+                       str(pki["ca"].with_suffix(".crt")), "--tokens-file", str(tokens), "--model-name",
+                       "kitchen-coder", healthy=False) as (addr, _):
         ok = ConnectOptions(credentials=full, token="0123456789abcdef0123", retries=0)
         deadline = time.monotonic() + 60
         while True:  # wait for the server to come up (health checks need TLS too)
             try:
-                assert run_edge(addr, tiny, ids, cfg, ok).tokens == want
+                result = run_edge(addr, tiny, ids, cfg, ok)
+                assert result.tokens == want and result.opened.target_model == "kitchen-coder"
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:

@@ -142,6 +142,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls=tls,
         tokens=tokens,
         listeners=args.listeners,
+        model_name=args.model_name,
     )
     asyncio.run(serve(engine, sched, cfg))
     return 0
@@ -241,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for other machines)")
     s.add_argument("--port", type=int, default=50051, help="port to listen on")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the target runs")
+    s.add_argument("--model-name", help="the name edges are told the target by (default: a hub id as given, a "
+                   "local directory or file by its own name, never its path)")
     s.add_argument(
         "--dtype",
         choices=["auto", "bf16", "fp16", "fp32"],

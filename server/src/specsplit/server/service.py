@@ -26,6 +26,7 @@ from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.pace import PaceLog
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
+from specsplit.server.sources import served_name
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ServeConfig:
     # server, a call waited 1.4 s (p90) for its Opened with one, 0.26 s with four
     # (docs/capacity.md). Every server shares the one worker.
     listeners: int = 4
+    model_name: str | None = None  # what edges see in Opened; None: the target's own name (sources.served_name)
 
     def __post_init__(self) -> None:
         check_listeners(self.listeners)  # before the model loads, not when the port is bound
@@ -79,7 +81,7 @@ def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
         max_chunk=cfg.max_chunk,
         max_new_tokens=cfg.max_new_tokens,
         eos_ids=loaded.eos_ids,
-        target_model=loaded.name,
+        target_model=cfg.model_name or served_name(loaded.name),
         tokenizer_fingerprint=loaded.fingerprint,
     )
 
@@ -296,8 +298,8 @@ async def serve(
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     log.info(
-        "serving %s on %s%s%s (vocab %d, context %d, tokenizer %s)%s",
-        limits.target_model, address, " with TLS" if cfg.tls else "",
+        "serving %s%s on %s%s%s (vocab %d, context %d, tokenizer %s)%s",
+        engine.loaded.name, f" as {limits.target_model}" if limits.target_model != engine.loaded.name else "", address, " with TLS" if cfg.tls else "",
         f" ({cfg.listeners} listeners)" if cfg.listeners > 1 else "", limits.vocab_size, limits.max_context,
         limits.tokenizer_fingerprint,
         f"; metrics on http://{bracketed(metrics_host)}:{cfg.metrics_port}/metrics"

@@ -21,3 +21,13 @@ def local_source(source: str, what: str) -> str:
     if not path.exists() and "/" not in source:  # a mistyped directory name, which the hub would retry for a minute
         raise FileNotFoundError(f"{what} {source} does not exist here, and a hub id is written ORG/NAME")
     return str(path) if source.startswith("~") else source
+
+
+def served_name(source: str) -> str:
+    """The name edges are told the target by, where the operator gives none: a hub id as it
+    is (public already), a local directory or file by its own name only, so that no edge
+    learns where the server keeps its models."""
+    path = Path(source).expanduser()
+    if path.exists() or source.startswith(_PATH_PREFIXES):
+        return path.resolve().name or source  # "/" has no name: say what was given
+    return source
