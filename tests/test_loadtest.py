@@ -3,9 +3,11 @@ process with the tiny models, for correctness only (no timing is asserted)."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import random
 import shutil
+import threading
 import time
 from dataclasses import replace
 
@@ -19,7 +21,7 @@ from certs import make_pki
 from conftest import free_port, launch_server
 from loadtest import run as loadtest_run
 from loadtest.capacity import capacity
-from loadtest.connection import ServerConnection
+from loadtest.endpoint import ServerEndpoint
 from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
@@ -28,7 +30,8 @@ from loadtest.sessions import (GenerationRecord, LoadRun, LoadSettings, LoadSpec
                                committed_between, run_sessions)
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import by_process, session_speeds, summarize
-from loadtest.sweep import SweepConfig, reference_continuations, repeated_point
+from loadtest import sweep as sweep_module
+from loadtest.sweep import INTERRUPTED, SweepConfig, reference_continuations, repeated_point
 from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
 from loadtest.timeline import Acceptance
 from loadtest.workers import ClientWorkers
@@ -52,7 +55,7 @@ def running(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(running):
     _, r = running
-    return reference_continuations(r.server.connection, r.prompts, MAX_NEW)
+    return reference_continuations(r.server.endpoint, r.prompts, MAX_NEW)
 
 
 def test_references_are_the_targets_greedy_continuations(tiny, running, references) -> None:
@@ -67,7 +70,7 @@ def test_references_are_the_targets_greedy_continuations(tiny, running, referenc
 def test_mixed_sessions_are_lossless_and_hit_alpha(tiny, running, references) -> None:
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=7, duration_s=None, generations=3)
-    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 4 + ["onnx"] * 2 + ["none"] * 2)
     assert point["errors"] == {"total": 0, "by_code": {}}
@@ -86,7 +89,7 @@ def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_war
                                                                                        references) -> None:
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, duration_s=0.5, ramp_s=0.6, warmup_s=0.3)
-    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings)
     run = asyncio.run(run_sessions(spec, [(i, "sim") for i in range(4)]))
     assert run.deadline - run.started == pytest.approx(0.6 + 0.3 + 0.5)  # the ramp, the warm-up, the window
@@ -107,7 +110,7 @@ def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, ru
     the late processes' sessions ran their last seconds beside a server the others had left."""
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=4, duration_s=None, generations=1)
-    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings)
     workers = ClientWorkers(2, ())
     try:
@@ -147,7 +150,7 @@ def test_load_generator_processes_do_not_each_get_one_first_prompt() -> None:
     sessions p, p + 12, ...; their first prompts must differ, or a slow process and a slow
     prompt could not be told apart."""
     prompts = tuple((i,) for i in range(12))
-    spec = LoadSpec(ServerConnection("localhost:1"), prompts, prompts, "", 10, LoadSettings(duration_s=None, generations=1))
+    spec = LoadSpec(ServerEndpoint("localhost:1"), prompts, prompts, "", 10, LoadSettings(duration_s=None, generations=1))
     for proc in range(12):
         firsts = {_Session(spec, proc + 12 * j, "sim")._prompt(0) for j in range(12)}
         assert len(firsts) == 12, (proc, firsts)
@@ -159,7 +162,7 @@ def test_simulated_edges_branch_beside_wrong_drafts_losslessly(tiny, running, re
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.6, branch_coverage=1.0, seed=3,
                             duration_s=None, generations=3)
-    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 4)
     assert point["errors"] == {"total": 0, "by_code": {}} and point["mismatched_outputs"] == 0
@@ -175,9 +178,9 @@ def test_the_benchmark_prompts_are_sent_as_its_edges_send_them_and_served_lossle
     assert len(prompts.ids) == len(texts) == 12
     assert prompts.ids == tuple(tuple(edge.encode(edge.chat_prompt(t))) for t in texts)
     assert prompts.fingerprint == load_prompts(tiny.target_dir).fingerprint  # the server accepts the edges
-    references = reference_continuations(server.connection, prompts, MAX_NEW)
+    references = reference_continuations(server.endpoint, prompts, MAX_NEW)
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=3, duration_s=None, generations=2)
-    spec = LoadSpec(server.connection, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 2 + ["onnx", "none"])
     assert point["errors"]["total"] == 0 and point["generations"] == 4 * 2
@@ -299,7 +302,7 @@ def test_server_speed_is_over_the_set_window_though_processes_start_apart() -> N
     """Each load-generator process measures its own window of --duration; merged, the span
     from the first opening to the last end is longer, and no rate."""
     settings = LoadSettings(duration_s=10.0)
-    spec = LoadSpec(ServerConnection("localhost:1"), ((1,),), ((2,),), "", 10, settings)
+    spec = LoadSpec(ServerEndpoint("localhost:1"), ((1,),), ((2,),), "", 10, settings)
     sessions = [SessionLog(i, "none", [_generation(100, 5.0, 100), _generation(100, 5.0, 100)], window_s=10.0)
                 for i in range(3)]
     # Two processes' runs merged: the second began 4 s after the first.
@@ -331,7 +334,7 @@ def test_sessions_are_also_summed_up_by_the_load_generator_process_that_ran_them
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_load_test_edges_adapt_their_lookahead_unless_told_not_to(adaptive) -> None:
     settings = LoadSettings(window=12, adaptive_window=adaptive, duration_s=None, generations=1)
-    spec = LoadSpec(ServerConnection("localhost:1"), ((1, 2),), ((3,),), "", 10, settings)
+    spec = LoadSpec(ServerEndpoint("localhost:1"), ((1, 2),), ((3,),), "", 10, settings)
     assert _Session(spec, 0, "sim").cfg.adaptive_window is adaptive
     assert _window({"window": 12, "adaptive_window": adaptive}) == ("adaptive, at most 12" if adaptive else "12, fixed")
 
@@ -358,11 +361,24 @@ def _wait_serving(address: str, tls: list[str], deadline_s: float = 60.0) -> Non
         time.sleep(0.5)
 
 
+class _NotSpecsplit(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = b"# TYPE other_total counter\nother_total 1\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(tiny, tmp_path, monkeypatch,
                                                                                  capsys) -> None:
     """A site's own server (TLS with client certificates, bearer tokens, metrics on their own
     port): nothing is started, the worker processes build their own credentials, and the
-    report names neither the files nor the token."""
+    report names neither the files nor the token. Lost in the middle of a sweep, the server
+    costs the points not yet run, not the report."""
     pki = make_pki(tmp_path)
     token = "0123456789abcdef0123"
     tokens = tmp_path / "tokens"
@@ -371,32 +387,48 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
     ca, cert, key = (str(pki["ca"].with_suffix(".crt")), str(pki["client"].with_suffix(".crt")),
                      str(pki["client"].with_suffix(".key")))
     tls = ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key]
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotSpecsplit)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
     with launch_server(tiny.target_dir, tmp_path / "s.log", "--tls-cert", str(pki["server"].with_suffix(".crt")),
                        "--tls-key", str(pki["server"].with_suffix(".key")), "--tls-client-ca", ca,
-                       "--tokens-file", str(tokens), "--metrics-port", str(metrics), healthy=False) as (address, _):
+                       "--tokens-file", str(tokens), "--metrics-port", str(metrics), healthy=False) as (address, proc):
         _wait_serving(address, tls)
-        run = ["--server", address, *tls, "--draft", str(tiny.draft_dir), "--modes", "none,sim,onnx",
-               "--sessions", "2", "--slo", "0", "--generations", "1", "--max-new-tokens", "8", "--window", "8",
-               "--client-procs", "2", "--out-dir", str(tmp_path / "out")]
+        reach = ["--server", address, *tls, "--draft", str(tiny.draft_dir), "--slo", "0", "--max-new-tokens", "8",
+                 "--window", "8", "--out-dir", str(tmp_path / "out")]
+        run = [*reach, "--modes", "none,sim,onnx", "--sessions", "2", "--generations", "1", "--client-procs", "2"]
         with pytest.raises(SystemExit) as usage:  # checked before anything is sent
             loadtest_run.main([*run, "--tls-ca", str(tokens), "--name", "x"])
         assert usage.value.code == 2 and f"--tls-ca {tokens} holds no PEM certificate" in capsys.readouterr().err
+        for url, said in ((f"http://{address}/metrics", "cannot be read"),  # the gRPC port
+                          (f"http://127.0.0.1:{other.server_port}/metrics", "has no specsplit metrics")):
+            assert loadtest_run.main([*run, "--metrics-url", url, "--name", "x"]) == 1
+            assert said in capsys.readouterr().err
         monkeypatch.setenv("SPECSPLIT_TOKEN", "not-a-registered-token")
         assert loadtest_run.main([*run, "--name", "refused"]) == 1
-        assert "did not serve a generation: PERMISSION_DENIED" in capsys.readouterr().err
-        monkeypatch.setenv("SPECSPLIT_TOKEN", token)
-        assert loadtest_run.main([*run, "--metrics-url", f"http://127.0.0.1:{metrics}/metrics", "--name", "ext"]) == 0
+        assert "failed the warm-up generation: PERMISSION_DENIED" in capsys.readouterr().err
         monkeypatch.delenv("SPECSPLIT_TOKEN")
         assert loadtest_run.main([*run, "--name", "unread"]) == 1  # no token: refused at the warm-up
         assert "UNAUTHENTICATED" in capsys.readouterr().err
+        monkeypatch.setenv("SPECSPLIT_TOKEN", token)
+        metrics_url = ["--metrics-url", f"http://127.0.0.1:{metrics}/metrics"]
+        assert loadtest_run.main([*run, *metrics_url, "--name", "ext"]) == 0
+
+        def kill_in_first_point(message: str) -> None:  # the server lost while the first point runs
+            if message.startswith("[1/"):
+                threading.Timer(1.0, proc.kill).start()
+        monkeypatch.setattr(loadtest_run, "log", kill_in_first_point)
+        lost = [*reach, *metrics_url, "--modes", "none,sim", "--sessions", "1,2", "--duration", "3"]
+        assert loadtest_run.main([*lost, "--name", "lost"]) == 1
     text = (tmp_path / "out" / "ext.json").read_text()
     got = json.loads(text)
     assert got["summary"]["errors"]["total"] == 0 and got["summary"]["mismatched_outputs"] == 0
     assert got["summary"]["baseline_sessions_at_slo"] == got["summary"]["split_sessions_at_slo"] == 2
-    assert got["models"]["target"]["vocab_size"] == 320 and got["models"]["draft"]["vocab_size"] == 320
+    assert got["models"]["target"] == {"name": tiny.target_dir.name, "vocab_size": 320}  # never its path
+    assert got["models"]["draft"]["vocab_size"] == 320 and got["stopped"] is None
     for mode in ("none", "sim", "onnx"):
         point = got["results"][mode][-1]
         assert point["generations"] == 2 and point["server"]["passes"] > 0, mode  # the metrics were read
+        assert point["server"]["metrics"] == "read" and point["server"]["kv_peak_mb"] is not None, mode
         assert point["server"]["rss_peak_mb"] is None, mode  # another machine's process, for all we know
         assert {p["process"] for p in point["by_process"]} == {0, 1}, mode
     assert got["server"] == {"connection": f"{address}, mutual TLS, bearer token", "metrics": "read"}
@@ -405,3 +437,30 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
     assert "server not started by the load test" in md and "- load generator: " in md
     for secret in (token, str(tmp_path)):
         assert secret not in text and secret not in md
+    assert "--metrics-url METRICS_URL" in got["rerun"]  # a URL may carry credentials
+    # The lost server: the point it died in has errors, the next finished nothing and ended the sweep.
+    lost_report = json.loads((tmp_path / "out" / "lost.json").read_text())
+    first, = lost_report["results"]["none"]
+    assert first["errors"]["total"] > 0 and not first["meets_slo"]
+    assert "read(s) failed" in first["server"]["metrics"]
+    assert [p["generations"] for p in lost_report["results"]["sim"]] == [0]
+    assert "finished no generation" in lost_report["stopped"]
+    assert "**Stopped early:** sim with 1 session(s) finished no generation" in (tmp_path / "out" / "lost.md").read_text()
+    other.shutdown()
+
+
+def test_an_interrupted_sweep_reports_the_points_that_finished(running, monkeypatch) -> None:
+    opts, r = running
+    real, calls = sweep_module.run_point, []
+
+    def interrupted_second(*args: object) -> dict:
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(sweep_module, "run_point", interrupted_second)
+    cfg = SweepConfig(modes=("none", "sim"), sessions=(1, 2), slo=0.0)
+    report = sweep_and_report(r, opts, cfg, LoadSettings(max_new_tokens=4, duration_s=None, generations=1),
+                              log=lambda _: None)
+    assert report["stopped"] == INTERRUPTED and [p["sessions"] for p in report["results"]["none"]] == [1]
+    assert "sim" not in report["results"] and report["summary"]["split_sessions_at_slo"] is None

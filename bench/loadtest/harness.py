@@ -11,16 +11,18 @@ from pathlib import Path
 
 import grpc
 
-from loadtest.connection import ServerConnection
+from loadtest.endpoint import ServerEndpoint
 from loadtest.machine import machine_info
 from loadtest.models import choose_models, describe_draft
 from loadtest.point import ServerHandle
 from loadtest.prompts import PromptSet, load_prompts
 from loadtest.report import build_report
+from loadtest.scrape import UNREADABLE, scrape
 from loadtest.sessions import LoadSettings, LoadSpec
 from loadtest.sweep import SweepConfig, reference_continuations, sweep, warm_up
 from loadtest.workers import ClientWorkers
 from orchestrate import free_port, running_server
+from specsplit.edge.client import StreamEnded, StreamStalled
 from specsplit.protocol.messages import Opened
 from specsplit.server.loading import resolve_dtype
 
@@ -44,7 +46,7 @@ class RunOptions:
     prompt_set: str = "stubs"  # loadtest.prompts.PROMPT_SETS
     # A server already running (a site's own deployment): none is started, the target and
     # server options above do not apply, and `draft` (required) gives the prompts' tokenizer.
-    server: ServerConnection | None = None
+    server: ServerEndpoint | None = None
     metrics_url: str | None = None  # that server's Prometheus metrics; None: no server figures
 
 
@@ -84,7 +86,7 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
     """The models prepared, the server up, pinned and warmed up, and this process pinned to
     the client cores; with `opts.server`, the server given instead (`attached`)."""
     if opts.server is not None:
-        with attached(opts, log) as running:
+        with attached(opts, cfg, log) as running:
             yield running
         return
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
@@ -111,9 +113,10 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
             with running_server(str(models.target_dir), opts.server_cores, serve_args, server_log,
                                 dtype=opts.dtype, threads=opts.server_threads) as (address, proc):
                 with pinned(opts.client_cores):  # only now: the server's pinning is worked out from our cores
-                    handle = ServerHandle(ServerConnection(address), proc.pid,
+                    handle = ServerHandle(ServerEndpoint(address), proc.pid,
                                           f"http://127.0.0.1:{metrics_port}/metrics")
-                    opened = warm_up(handle.connection, prompts)
+                    with _serving(handle.endpoint, "the warm-up generation"):
+                        opened = warm_up(handle.endpoint, prompts)
                     yield Running(handle, prompts, opened, models.draft_dir, setup)
         except BaseException:
             if server_log.is_file():
@@ -122,51 +125,67 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
 
 
 @contextmanager
-def attached(opts: RunOptions, log: Callable[[str], None] = print) -> Iterator[Running]:
+def _serving(endpoint: ServerEndpoint, what: str) -> Iterator[None]:
+    """SetupError, in one line, where the server fails `what` (a lost server, a refusal)."""
+    try:
+        yield
+    except (grpc.aio.AioRpcError, StreamStalled) as exc:
+        raise SetupError(f"the server at {endpoint.address} failed {what}: {exc.code().name}: {exc.details()}") from None
+    except StreamEnded as exc:
+        raise SetupError(f"the server at {endpoint.address} failed {what}: {exc}") from None
+
+
+def _check_metrics(url: str) -> None:
+    try:
+        snap = scrape(url)
+    except UNREADABLE as exc:
+        raise SetupError(f"the server's metrics at {url} cannot be read ({exc!r})") from None
+    if not any(name.startswith("specsplit_") for name, _ in snap):
+        raise SetupError(f"{url} has no specsplit metrics: give the address of the server's --metrics-port")
+
+
+@contextmanager
+def attached(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = print) -> Iterator[Running]:
     """A server this load test did not start (`opts.server`), checked and warmed up, with
     the prompts encoded by the draft's tokenizer. Raises SetupError where it cannot be used."""
-    connection, draft = opts.server, opts.draft
-    assert connection is not None and draft is not None, "a given server needs a draft export for its tokenizer"
+    endpoint, draft = opts.server, opts.draft
+    assert endpoint is not None and draft is not None, "a given server needs a draft export for its tokenizer"
     prompts = load_prompts(draft, opts.prompt_set)
-    handle = ServerHandle(connection, None, opts.metrics_url)
-    try:
-        handle.snapshot()
-    except (OSError, ValueError) as exc:  # unreachable, or not Prometheus' text format
-        raise SetupError(f"the server's metrics at {opts.metrics_url} cannot be read ({exc})") from None
-    log(f"warming up the server at {connection.address} ...")
+    if opts.metrics_url:
+        _check_metrics(opts.metrics_url)
+    log(f"warming up the server at {endpoint.address} ...")
     with pinned(opts.client_cores):
-        try:
-            opened = warm_up(connection, prompts)
-        except grpc.aio.AioRpcError as exc:
-            raise SetupError(f"the server at {connection.address} did not serve a generation: "
-                             f"{exc.code().name}: {exc.details()}") from None
+        with _serving(endpoint, "the warm-up generation"):
+            opened = warm_up(endpoint, prompts)
+        # The draft drafts only for onnx edges; otherwise it only lends the prompts its tokenizer.
+        name = draft.resolve().name
         setup = {
             "machine": machine_info("remote"),
             "pinning": {"server": "not started by the load test", **_client_pinning(opts)},
             "models": {"target": {"name": opened.target_model, "vocab_size": opened.vocab_size},
-                       "draft": describe_draft(draft, draft.name)},
+                       **({"draft": describe_draft(draft, name)} if "onnx" in cfg.modes else {"tokenizer": name})},
             "network": "the site's own, between the load generator and the server (not emulated or measured)",
-            "server": {"connection": connection.describe(), "metrics": "read" if opts.metrics_url else "not read"},
+            "server": {"connection": endpoint.describe(), "metrics": "read" if opts.metrics_url else "not read"},
         }
-        yield Running(handle, prompts, opened, draft, setup)
+        yield Running(ServerHandle(endpoint, None, opts.metrics_url), prompts, opened, draft, setup)
 
 
 def sweep_and_report(running: Running, opts: RunOptions, cfg: SweepConfig, settings: LoadSettings,
                      log: Callable[[str], None] = print) -> dict:
     """Take the reference continuations, sweep; the report (see report.build_report)."""
     workers = ClientWorkers(opts.client_procs, opts.client_cores) if opts.client_procs > 1 else None
-    prompts = running.prompts
+    prompts, endpoint = running.prompts, running.server.endpoint
     try:
-        references = reference_continuations(running.server.connection, prompts, settings.max_new_tokens)
-        spec = LoadSpec(running.server.connection, prompts.ids, references, prompts.fingerprint,
-                        running.opened.vocab_size, settings,
+        with _serving(endpoint, "the reference decoding"):
+            references = reference_continuations(endpoint, prompts, settings.max_new_tokens)
+        spec = LoadSpec(endpoint, prompts.ids, references, prompts.fingerprint, running.opened.vocab_size, settings,
                         str(running.draft_dir) if running.draft_dir else None)
-        results = sweep(running.server, spec, cfg, workers, log)
+        results, stopped = sweep(running.server, spec, cfg, workers, log)
     finally:
         if workers is not None:
             workers.close()
     setup = {**running.setup, "prompt_set": opts.prompt_set, "prompts": list(prompts.texts), "rerun": opts.rerun}
-    return build_report(setup, cfg, settings, results)
+    return build_report(setup, cfg, settings, results, stopped)
 
 
 def execute(opts: RunOptions, cfg: SweepConfig, settings: LoadSettings, log: Callable[[str], None] = print) -> dict:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import psutil
 
-from loadtest.connection import ServerConnection
-from loadtest.scrape import Snapshot, scrape, value
+from loadtest.endpoint import ServerEndpoint
+from loadtest.scrape import UNREADABLE, Snapshot, scrape, value
 from loadtest.sessions import LoadRun, LoadSpec, run_sessions
 from loadtest.summary import summarize
 from loadtest.workers import ClientWorkers
@@ -20,12 +20,19 @@ SAMPLE_EVERY_S = 0.5
 
 @dataclass(frozen=True)
 class ServerHandle:
-    connection: ServerConnection
+    endpoint: ServerEndpoint
     pid: int | None  # None: a server on another machine (or one this load test did not start)
     metrics_url: str | None  # http://host:port/metrics; None: not read
 
-    def snapshot(self) -> Snapshot:
-        return scrape(self.metrics_url) if self.metrics_url else {}
+    def snapshot(self) -> Snapshot | None:
+        """The server's metrics now: {} where none are read, None where reading them failed
+        (a busy or lost server: the point goes on, without the figures that needed them)."""
+        if not self.metrics_url:
+            return {}
+        try:
+            return scrape(self.metrics_url)
+        except UNREADABLE:
+            return None
 
 
 @dataclass
@@ -33,6 +40,7 @@ class Peaks:
     kv_bytes: float | None = None
     rss_bytes: float | None = None
     samples: int = 0
+    failed_reads: int = 0
 
 
 def _higher(peak: float | None, seen: float | None) -> float | None:
@@ -43,10 +51,16 @@ async def _sample(server: ServerHandle, peaks: Peaks, stop: asyncio.Event) -> No
     proc = psutil.Process(server.pid) if server.pid is not None else None
     while not stop.is_set():
         if server.metrics_url:
-            snap: Snapshot = await asyncio.to_thread(scrape, server.metrics_url)
-            peaks.kv_bytes = _higher(peaks.kv_bytes, value(snap, "specsplit_kv_cache_bytes") or 0.0)
+            snap = await asyncio.to_thread(server.snapshot)
+            if snap is None:
+                peaks.failed_reads += 1
+            else:
+                peaks.kv_bytes = _higher(peaks.kv_bytes, value(snap, "specsplit_kv_cache_bytes"))
         if proc is not None:
-            peaks.rss_bytes = _higher(peaks.rss_bytes, proc.memory_info().rss)
+            try:
+                peaks.rss_bytes = _higher(peaks.rss_bytes, proc.memory_info().rss)
+            except psutil.Error:  # the server is gone: the sessions' errors will say so
+                proc = None
         peaks.samples += 1
         try:
             await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
@@ -81,8 +95,14 @@ async def measure_point(server: ServerHandle, spec: LoadSpec, kinds: list[str],
         stop.set()
         await sampler
     after = await asyncio.to_thread(server.snapshot)
-    return summarize(run, spec, before, after, peaks.kv_bytes, peaks.rss_bytes,
-                     client_procs=len(workers) if workers else 1)
+    if before is None or after is None:  # no counts over the point: none of its server figures
+        before = after = {}
+        peaks.failed_reads += 1
+    point = summarize(run, spec, before, after, peaks.kv_bytes, peaks.rss_bytes,
+                      client_procs=len(workers) if workers else 1)
+    point["server"]["metrics"] = ("not read" if not server.metrics_url else
+                                  f"{peaks.failed_reads} read(s) failed" if peaks.failed_reads else "read")
+    return point
 
 
 def run_point(server: ServerHandle, spec: LoadSpec, kinds: list[str], workers: ClientWorkers | None = None) -> dict:

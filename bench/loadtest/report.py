@@ -15,9 +15,11 @@ MODE_TITLES = {
     "sim": "simulated edges, async",
     "onnx": "real ONNX Runtime edges, async",
 }
-def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results: dict[str, list[dict]]) -> dict:
+def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results: dict[str, list[dict]],
+                 stopped: str | None = None) -> dict:
     """`setup`: machine, pinning, models, network, server_args (or server, for a server the
-    load test did not start), prompt_set, prompts, rerun."""
+    load test did not start), prompt_set, prompts, rerun. `stopped`: why the sweep ended
+    early (None: it ran to its end)."""
     errors: Counter = Counter()
     for points in results.values():
         for p in points:
@@ -38,6 +40,7 @@ def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results:
                      **asdict(settings)},
         "results": results,
         "summary": summary,
+        "stopped": stopped,
     }
 
 
@@ -75,6 +78,14 @@ def _process_spread(points: list[dict]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+def _metrics_failures(points: list[dict]) -> list[str]:
+    """Points whose server figures are missing or partial: reading the metrics failed."""
+    lines = [f"- {p['sessions']} sessions: the server's metrics could not always be read ({p['server']['metrics']}); "
+             "its figures are left out where they needed them" for p in points
+             if p["server"].get("metrics", "read") not in ("read", "not read")]
+    return [*lines, ""] if lines else []
+
+
 def _lag(server: dict) -> str:
     """The event loop's lag, mean / the bound its p99 lies under (– in reports from before it)."""
     mean = server.get("loop_lag_mean_ms")
@@ -99,6 +110,8 @@ def _describe_models(models: dict) -> list[str]:
     lines = [f"- target: {t['name']}: layers {c['num_hidden_layers']}, hidden {c['hidden_size']}, "
              f"vocab {c['vocab_size']}; {t['dtype']} on {t['device']}" if c else
              f"- target: {t['name']} (as the server names it in Opened), vocab {t['vocab_size']}"]
+    if models.get("tokenizer"):
+        lines.append(f"- prompts encoded by the tokenizer of the draft export {models['tokenizer']}")
     if models.get("draft"):
         d = models["draft"]
         weights = "unquantized" if d["quantization"] == "none" else d["quantization"]
@@ -183,11 +196,15 @@ def render_markdown(report: dict, name: str) -> str:
                       ("onnx", "onnx_sessions_at_slo")):
         if summ[key] is not None:
             # A mode stops at its first miss: a last point that met the SLO was the largest tried.
-            more = " (the most tried: the limit lies beyond)" if report["results"][mode][-1]["meets_slo"] else ""
+            more = "" if not report["results"][mode][-1]["meets_slo"] else (
+                " (the most tried before the sweep stopped)" if report.get("stopped")
+                else " (the most tried: the limit lies beyond)")
             lines.append(f"| {MODE_TITLES[mode]} | {summ[key]}{more} |")
     by_code = ", ".join(f"{k}: {v}" for k, v in summ["errors"]["by_code"].items()) or "none"
     lines += ["", f"Errors: {summ['errors']['total']} ({by_code}). Outputs differing from the target's greedy "
               f"continuation: {summ['mismatched_outputs']}.", ""]
+    if report.get("stopped"):
+        lines += [f"**Stopped early:** {report['stopped']}.", ""]
     for mode, points in report["results"].items():
         lines += [
             f"## {MODE_TITLES[mode]}",
@@ -199,6 +216,7 @@ def render_markdown(report: dict, name: str) -> str:
             *(_row(mode, p) for p in points),
             "",
             *_process_spread(points),
+            *_metrics_failures(points),
         ]
     lines.append(f"Rerun: `{report['rerun']}`")
     return "\n".join(lines) + "\n"

@@ -7,7 +7,8 @@ mode's sweep stops at its first session count where some session got less than
 --slo tokens/s (or anything failed). The server is started once, pinned to its cores,
 with Prometheus metrics on; every edge runs in this process (or --client-procs worker
 processes), pinned to the other cores. Writes bench/results/NAME.json and NAME.md.
-Exits non-zero if any generation failed or differed from the target's own output.
+Exits 1 if any generation failed or differed from the target's own output, or the sweep
+stopped at a point where none finished; 130 on Ctrl-C, after writing the points finished.
 
 With --server, no server is started: the load goes to one already running (a site's
 own deployment, over its TLS and with its bearer token), whose target must be the one
@@ -34,20 +35,21 @@ from urllib.parse import urlparse  # noqa: E402
 
 from cli_types import (START_CORES, at_least, cores, draft_export, host_port, int_list, model_dir,  # noqa: E402
                        out_dir, report_name)
-from loadtest.connection import ServerConnection  # noqa: E402
+from loadtest.endpoint import ServerEndpoint  # noqa: E402
 from loadtest.harness import RunOptions, SetupError, execute  # noqa: E402
 from loadtest.prompts import PROMPT_SETS  # noqa: E402
 from loadtest.report import write_report  # noqa: E402
 from loadtest.rerun import rerun_command  # noqa: E402
 from loadtest.sessions import LoadSettings  # noqa: E402
-from loadtest.sweep import MODES, SweepConfig  # noqa: E402
+from loadtest.sweep import INTERRUPTED, MODES, SweepConfig  # noqa: E402
 from loadtest.targets import ARCHS  # noqa: E402
 from orchestrate import server_and_edge_cores  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # Local paths, kept out of the reports' rerun line.
 PATH_OPTIONS = {"--target": "TARGET_DIR", "--draft": "DRAFT_DIR", "--out-dir": "OUT_DIR", "--server-log": "LOG",
-                "--tls-ca": "CA_FILE", "--tls-cert": "CERT_FILE", "--tls-key": "KEY_FILE"}
+                "--tls-ca": "CA_FILE", "--tls-cert": "CERT_FILE", "--tls-key": "KEY_FILE",
+                "--metrics-url": "METRICS_URL"}  # a URL may carry credentials
 # Options for the server the load test starts, meaningless with --server; with their defaults.
 STARTED_SERVER_OPTIONS = {"target": None, "target_config": None, "device": None, "dtype": None, "server_arg": [],
                           "server_cores": None, "server_threads": None, "server_log": None}
@@ -127,10 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated drafters' draws")
     p.add_argument("--server-cores", type=cores, help="e.g. 1 or 4-7 (default: the last core)")
     p.add_argument("--server-threads", type=at_least(1), help="torch threads of the server (default: its core count, or 1)")
-    p.add_argument("--client-cores", type=cores, help="load generator cores (default: all but the server's)")
+    p.add_argument("--client-cores", type=cores, help="load generator cores (default: all but the server's; with "
+                   "--server, not pinned)")
     p.add_argument("--client-procs", type=at_least(1), default=1,
                    help="load generator processes; sessions are dealt round-robin, each process pinned to one "
-                   "client core (default 1: everything in this process)")
+                   "client core where there are any (default 1: everything in this process)")
     p.add_argument("--name", type=report_name, default="loadtest", help="writes NAME.json and NAME.md in --out-dir")
     p.add_argument("--out-dir", type=out_dir, default=RESULTS, help="where (default: bench/results)")
     p.add_argument("--server-log", type=Path,
@@ -153,7 +156,7 @@ def metrics_url(text: str) -> str:
     return text
 
 
-def check_server_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerConnection | None:
+def check_server_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ServerEndpoint | None:
     """The server given with --server, checked (None: the load test starts its own); usage
     errors for options that belong to the other kind of server."""
     if args.server is None:
@@ -169,7 +172,7 @@ def check_server_options(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.draft is None:
         parser.error("--server needs --draft: its tokenizer encodes the prompts, and the server checks that it "
                      "is its target's")
-    server = ServerConnection(args.server, args.tls_ca, args.tls_cert, args.tls_key,
+    server = ServerEndpoint(args.server, args.tls_ca, args.tls_cert, args.tls_key,
                               os.environ.get("SPECSPLIT_TOKEN") or None)
     try:
         server.check()
@@ -220,14 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         report = execute(opts, cfg, settings, log)
-    except (SetupError, ValueError) as exc:  # a given server that refuses us; a prompt set it cannot make
+    except (SetupError, ValueError) as exc:  # a server that refuses or fails us; a prompt set it cannot make
         log(f"error: {exc}")
         return 1
+    except KeyboardInterrupt:  # before the sweep (interrupted in it, the sweep reports what finished)
+        log("interrupted before any point finished: nothing to report")
+        return 130
     json_path, md_path = write_report(report, args.out_dir, args.name)
     print(md_path.read_text())
     log(f"wrote {json_path} and {md_path}")
+    if report["stopped"] == INTERRUPTED:
+        return 130
     summary = report["summary"]
-    return 0 if summary["errors"]["total"] == 0 and summary["mismatched_outputs"] == 0 else 1
+    return 0 if summary["errors"]["total"] == 0 and summary["mismatched_outputs"] == 0 and not report["stopped"] else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Reading the server's Prometheus metrics (`serve --metrics-port`)."""
 from __future__ import annotations
 
+import http.client
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+# What a failed read raises: unreachable or timed out, not HTTP, not Prometheus' text format.
+UNREADABLE = (OSError, ValueError, http.client.HTTPException)
 # (sample name, sorted label pairs) -> value
 Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from loadtest.connection import ServerConnection
+from loadtest.endpoint import ServerEndpoint
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_ms, verdict_latency_ms
 from specsplit.edge.client import EdgeConfig, GenerationResult, generate
@@ -73,7 +73,7 @@ class LoadSettings:
 class LoadSpec:
     """Everything the sessions of a point need (plain values: it crosses to worker processes)."""
 
-    server: ServerConnection
+    server: ServerEndpoint
     prompts: tuple[tuple[int, ...], ...]
     references: tuple[tuple[int, ...], ...]  # the target's greedy continuation of each prompt
     fingerprint: str  # the target tokenizer's

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loadtest.connection import ServerConnection
+from loadtest.endpoint import ServerEndpoint
 from loadtest.point import ServerHandle, run_point
 from loadtest.prompts import PromptSet
 from loadtest.sessions import LoadSpec
@@ -16,6 +16,7 @@ from specsplit.protocol.messages import Opened
 
 MODES = ("none", "sim", "onnx")  # server-only; simulated drafter at a set alpha; real ONNX drafter
 WARMUP_TOKENS = 4
+INTERRUPTED = "interrupted (Ctrl-C): only the points that had finished are reported"
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class SweepConfig:
         return max(max(self.counts(m)) for m in self.modes)
 
 
-async def _server_alone(server: ServerConnection, prompts: PromptSet,
+async def _server_alone(server: ServerEndpoint, prompts: PromptSet,
                         max_new_tokens: int) -> tuple[GenerationResult, ...]:
     cfg = EdgeConfig(mode="none", max_new_tokens=max_new_tokens)
     async with server.channel() as channel:
@@ -66,7 +67,7 @@ async def _server_alone(server: ServerConnection, prompts: PromptSet,
                                      connect=server.connect_options()) for ids in prompts.ids])
 
 
-def warm_up(server: ServerConnection, prompts: PromptSet) -> Opened:
+def warm_up(server: ServerEndpoint, prompts: PromptSet) -> Opened:
     """One short generation, discarded: the first pass of a fresh server is slow. The
     server's Opened: what it serves (its target's name and vocabulary)."""
     first = PromptSet(prompts.texts[:1], prompts.ids[:1], prompts.fingerprint)
@@ -75,7 +76,7 @@ def warm_up(server: ServerConnection, prompts: PromptSet) -> Opened:
     return opened
 
 
-def reference_continuations(server: ServerConnection, prompts: PromptSet,
+def reference_continuations(server: ServerEndpoint, prompts: PromptSet,
                             max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
     """The target's greedy continuation of each prompt: decoded by the server alone, which
     the protocol makes token for token what any edge must get back."""
@@ -120,25 +121,36 @@ def _line(mode: str, point: dict) -> str:
 
 
 def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: ClientWorkers | None = None,
-          log: Callable[[str], None] = print) -> dict[str, list[dict]]:
-    """Points per mode; `spec` holds everything but the session kinds (mode) and count."""
+          log: Callable[[str], None] = print) -> tuple[dict[str, list[dict]], str | None]:
+    """Points per mode (`spec` holds everything but the session kinds and count), and why the
+    sweep stopped early (None: it did not): INTERRUPTED, or a point where no generation
+    finished, as with a server gone (every later point would only wait out its time)."""
     results: dict[str, list[dict]] = {}
     total = sum(len(cfg.counts(m)) for m in cfg.modes)
     done = 0
-    for mode in cfg.modes:
-        points = results[mode] = []
-        for n in cfg.counts(mode):
-            done += 1
-            log(f"[{done}/{total}] {mode} with {n} session(s) ...")
-            runs = []
-            for _ in range(cfg.repeats):
-                runs.append(run_point(server, spec, [mode] * n, workers))
-                if cfg.repeats > 1:
-                    log(f"  run {len(runs)}/{cfg.repeats}: " + _line(mode, {**runs[-1], "meets_slo": meets_slo(runs[-1], cfg.slo)}))
-            point = repeated_point(runs, cfg.slo)
-            points.append(point)
-            log(_line(mode, point))
-            if not point["meets_slo"]:  # more sessions only get slower: save the time
-                done += len(cfg.counts(mode)) - len(points)  # the rest of this mode is skipped
-                break
-    return results
+    try:
+        for mode in cfg.modes:
+            for n in cfg.counts(mode):
+                done += 1
+                log(f"[{done}/{total}] {mode} with {n} session(s) ...")
+                runs = []
+                for _ in range(cfg.repeats):
+                    runs.append(run_point(server, spec, [mode] * n, workers))
+                    if cfg.repeats > 1:
+                        log(f"  run {len(runs)}/{cfg.repeats}: "
+                            + _line(mode, {**runs[-1], "meets_slo": meets_slo(runs[-1], cfg.slo)}))
+                point = repeated_point(runs, cfg.slo)
+                points = results.setdefault(mode, [])
+                points.append(point)
+                log(_line(mode, point))
+                if point["generations"] == 0:
+                    errors = ", ".join(f"{k} {v}" for k, v in point["errors"]["by_code"].items()) or "none"
+                    return results, (f"{mode} with {n} session(s) finished no generation (errors: {errors}): the "
+                                     "server served nothing, so the sweep stopped there")
+                if not point["meets_slo"]:  # more sessions only get slower: save the time
+                    done += len(cfg.counts(mode)) - len(points)  # the rest of this mode is skipped
+                    break
+    except KeyboardInterrupt:
+        log(INTERRUPTED)
+        return results, INTERRUPTED
+    return results, None

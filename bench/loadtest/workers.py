@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import signal
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
@@ -25,6 +26,8 @@ START_LEAD_S = 0.2
 
 
 def _serve(conn: Connection, core: int | None, process: int) -> None:
+    # Ctrl-C reaches the whole process group: the parent decides what it stops (close()).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if core is not None:
         os.sched_setaffinity(0, {core})
     while (job := conn.recv()) is not None:
@@ -47,6 +50,7 @@ class ClientWorkers:
         ctx = mp.get_context("spawn")  # no fork of a process holding gRPC and ONNX Runtime threads
         self._conns: list[Connection] = []
         self._procs = []
+        self._running = False  # a point's sessions are out: run() has not had all the answers
         for i in range(procs):
             parent, child = ctx.Pipe()
             core = cores[i % len(cores)] if cores else None
@@ -91,11 +95,18 @@ class ClientWorkers:
                     self._conns[i].send(CANCEL)
             raise RuntimeError("; ".join(problems))
         started = time.monotonic() + START_LEAD_S
+        self._running = True
         for i in busy:
             self._conns[i].send(started)
-        return [self._answer(i) for i in busy]  # type: ignore[misc]
+        runs = [self._answer(i) for i in busy]
+        self._running = False
+        return runs  # type: ignore[return-value]
 
     def close(self) -> None:
+        """Let the workers end; where a point was left running (run() interrupted), end them now."""
+        if self._running:
+            for proc in self._procs:
+                proc.terminate()
         for conn in self._conns:
             try:
                 conn.send(None)

@@ -20,7 +20,7 @@ CHANNEL_OPTIONS = [
 
 
 @dataclass(frozen=True)
-class ServerConnection:
+class ServerEndpoint:
     address: str  # host:port
     tls_ca: str | None = None  # with it (or a client certificate): TLS, else plaintext
     tls_cert: str | None = None  # client certificate and key, for mutual TLS
