@@ -32,7 +32,7 @@ from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import by_process, session_speeds, summarize
 from loadtest import sweep as sweep_module
 from loadtest.sweep import INTERRUPTED, SweepConfig, reference_continuations, repeated_point
-from loadtest.targets import ARCHS, describe_target, vocab_size, write_config_target
+from loadtest.targets import ARCHS, describe_target, write_config_target
 from loadtest.timeline import Acceptance
 from loadtest.workers import ClientWorkers
 from prompt_set import benchmark_prompts
@@ -70,7 +70,7 @@ def test_references_are_the_targets_greedy_continuations(tiny, running, referenc
 def test_mixed_sessions_are_lossless_and_hit_alpha(tiny, running, references) -> None:
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=7, duration_s=None, generations=3)
-    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, running[1].opened.vocab_size,
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 4 + ["onnx"] * 2 + ["none"] * 2)
     assert point["errors"] == {"total": 0, "by_code": {}}
@@ -89,7 +89,7 @@ def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_war
                                                                                        references) -> None:
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, duration_s=0.5, ramp_s=0.6, warmup_s=0.3)
-    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, running[1].opened.vocab_size,
                     settings)
     run = asyncio.run(run_sessions(spec, [(i, "sim") for i in range(4)]))
     assert run.deadline - run.started == pytest.approx(0.6 + 0.3 + 0.5)  # the ramp, the warm-up, the window
@@ -110,7 +110,7 @@ def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, ru
     the late processes' sessions ran their last seconds beside a server the others had left."""
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=4, duration_s=None, generations=1)
-    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, running[1].opened.vocab_size,
                     settings)
     workers = ClientWorkers(2, ())
     try:
@@ -162,7 +162,7 @@ def test_simulated_edges_branch_beside_wrong_drafts_losslessly(tiny, running, re
     server, prompts = running[1].server, running[1].prompts
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.6, branch_coverage=1.0, seed=3,
                             duration_s=None, generations=3)
-    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, running[1].opened.vocab_size,
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 4)
     assert point["errors"] == {"total": 0, "by_code": {}} and point["mismatched_outputs"] == 0
@@ -180,7 +180,7 @@ def test_the_benchmark_prompts_are_sent_as_its_edges_send_them_and_served_lossle
     assert prompts.fingerprint == load_prompts(tiny.target_dir).fingerprint  # the server accepts the edges
     references = reference_continuations(server.endpoint, prompts, MAX_NEW)
     settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, alpha=0.7, seed=3, duration_s=None, generations=2)
-    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, vocab_size(tiny.target_dir),
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, running[1].opened.vocab_size,
                     settings, str(tiny.draft_dir))
     point = run_point(server, spec, ["sim"] * 2 + ["onnx", "none"])
     assert point["errors"]["total"] == 0 and point["generations"] == 4 * 2

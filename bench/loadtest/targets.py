@@ -55,7 +55,3 @@ def describe_target(target_dir: Path) -> dict:
     """The config values a report names the target by."""
     config = json.loads((target_dir / "config.json").read_text())
     return {key: config.get(key) for key in CONFIG_KEYS}
-
-
-def vocab_size(target_dir: Path) -> int:
-    return int(json.loads((target_dir / "config.json").read_text())["vocab_size"])
