@@ -128,7 +128,7 @@ def test_bad_input_gets_precise_status_and_harms_nobody(tiny, server) -> None:
 
 def metric(address: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
     return sum(values)
 
 
@@ -138,8 +138,8 @@ def limited(tiny, tmp_path_factory):
     mport = free_port()
     log = tmp_path_factory.mktemp("limited") / "server.log"
     with launch_server(tiny.target_dir, log, "--metrics-port", str(mport), "--max-sessions", "2",
-                       "--grace", "3") as (address, proc):
-        yield address, f"127.0.0.1:{mport}", proc
+                       "--grace", "3") as (address, _):
+        yield address, f"127.0.0.1:{mport}", log
 
 
 def wait_for(predicate, timeout: float = 15.0) -> bool:
@@ -152,13 +152,40 @@ def wait_for(predicate, timeout: float = 15.0) -> bool:
 
 
 def test_vanished_edge_frees_its_session_and_kv(tiny, limited) -> None:
-    address, metrics, _ = limited
+    address, metrics, log = limited
     held = HeldSession(address)
     assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 1)
     held.close()  # the edge goes away
     assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
     assert metric(metrics, "specsplit_kv_cache_bytes") == 0
     assert metric(metrics, "specsplit_sessions_total") >= 1
+    assert metric(metrics, 'specsplit_sessions_ended_total{reason="disconnected"}') >= 1
+    # The operator's log says so, with the client: it was silent, the metric its only trace.
+    assert wait_for(lambda: re.search(r"session \w+ from ipv[46]:\S+: ended \(the edge went away\) after \d+ new "
+                                      r"tokens", log.read_text()) is not None)
+
+
+def test_metrics_show_the_limit_the_refusals_and_the_process(tiny, limited) -> None:
+    """What an operator alerts on: how full the server is (the limit beside the active
+    sessions), Opens refused because it was full (apart from clients' own errors, which share
+    RESOURCE_EXHAUSTED), and the process' own memory and CPU; every known label from 0."""
+    address, metrics, _ = limited
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+    assert metric(metrics, "specsplit_sessions_limit") == 2
+    for series in ('specsplit_errors_total{code="UNAUTHENTICATED"}', 'specsplit_sessions_ended_total{reason="stalled"}',
+                   'specsplit_sessions_refused_total{reason="draining"}', "process_resident_memory_bytes",
+                   "process_cpu_seconds_total"):
+        assert re.search(rf"^{re.escape(series)} ", text, re.M), series
+    refused = metric(metrics, 'specsplit_sessions_refused_total{reason="full"}')
+    held = [HeldSession(address), HeldSession(address)]
+    try:
+        assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 2)
+        assert raw_stream(address, [open_msg(PROMPT)])[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert metric(metrics, 'specsplit_sessions_refused_total{reason="full"}') == refused + 1
+    finally:
+        for h in held:
+            h.close()
+    assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)  # free for the next test
 
 
 def test_session_limit_is_resource_exhausted_and_a_device_moves_on(tiny, limited, server) -> None:
@@ -238,7 +265,7 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:
     with launch_server(tiny.target_dir, tmp_path / "s.log", "--tls-cert", str(pki["server"].with_suffix(".crt")),
                        "--tls-key", str(pki["server"].with_suffix(".key")), "--tls-client-ca",
                        str(pki["ca"].with_suffix(".crt")), "--tokens-file", str(tokens), "--model-name",
-                       "kitchen-coder", healthy=False) as (addr, _):
+                       "kitchen-coder", "--metrics-port", str(mport := free_port()), healthy=False) as (addr, _):
         ok = ConnectOptions(credentials=full, token="0123456789abcdef0123", retries=0)
         deadline = time.monotonic() + 60
         while True:  # wait for the server to come up (health checks need TLS too)
@@ -263,6 +290,11 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as exc:  # plaintext to a TLS port
             run_edge(addr, tiny, ids, cfg, ConnectOptions(token="0123456789abcdef0123", retries=0))
         assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Refused tokens are counted and logged, with the client: token guessing shows.
+        for code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            assert metric(f"127.0.0.1:{mport}", f'specsplit_errors_total{{code="{code}"}}') == 1, code
+        assert re.search(r"call refused: PERMISSION_DENIED: this token belongs to no registered device "
+                         r"\(from ipv4:127\.0\.0\.1:\d+\)", (tmp_path / "s.log").read_text())
         # The health check (no token needed) reaches a TLS server with a client certificate.
         tls = ["--tls-ca", str(pki["ca"].with_suffix(".crt")), "--tls-cert", str(pki["client"].with_suffix(".crt")),
                "--tls-key", str(pki["client"].with_suffix(".key"))]
@@ -377,9 +409,13 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
     log = tmp_path / "s.log"
     with launch_server(tiny.target_dir, log, "--log-format", "json") as (address, _):
         raw_stream(address, [open_msg(PROMPT, max_new=3)])
-    lines = [_json.loads(l) for l in log.read_text().splitlines() if l.startswith("{")]
+    text = log.read_text()
+    lines = [_json.loads(l) for l in text.splitlines() if l.startswith("{")]
     done = [l for l in lines if "done" in l["msg"]]
     assert done and done[0]["session"] and done[0]["level"] == "info"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", done[0]["ts"])  # ms, UTC
+    assert re.search(r": [1-3] new tokens$", done[0]["msg"])  # not the prompt's tokens too
+    assert "Loading weights" not in text  # transformers' progress bar is no JSON line
 
 
 @pytest.mark.parametrize(
@@ -488,7 +524,7 @@ def test_a_second_signal_ends_the_drain(tiny, tmp_path) -> None:
         finally:
             held.close()
     log = (tmp_path / "s.log").read_text()
-    assert "a second signal: ending the drain now" in log and "sessions still open after the grace: 1" in log
+    assert "a second signal: ending the drain now" in log and "sessions still open at a second signal: 1 (" in log
     assert log.rstrip().endswith("stopped")
 
 
@@ -497,6 +533,9 @@ def test_a_second_signal_ends_the_drain(tiny, tmp_path) -> None:
     (["models", "pull", "--draft-quantize", "int8"], "are for prepare"),
     (["export-draft", "--model", "m", "--out", "o", "--tolerance", "-1"], "--tolerance must be 0 or more"),
     (["health", "--timeout", "-1"], "--timeout must be above 0"),
+    (["health", "--timeout", "1e10"], "at most 86400 s"),  # gRPC read so far a deadline as one past
+    (["health", "--address", ""], "--address: give HOST:PORT"),  # a C-core trace, then UNKNOWN
+    (["health", "--address", "127.0.0.1:99999"], "--address: give HOST:PORT"),
 ])
 def test_other_commands_refuse_settings_up_front(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -16,12 +16,13 @@ def test_a_session_whose_outbox_stays_full_is_ended() -> None:
         for i in range(4):
             outbox.put_nowait(i)  # nobody reads: the outbox is full
         stream = asyncio.create_task(asyncio.sleep(60))
-        worker.add(SessionHandle(session, outbox, stream_task=stream))
+        handle = SessionHandle(session, outbox, stream_task=stream)
+        worker.add(handle)
         batch, _ = worker._pick()
         assert batch == [] and not stream.cancelled()  # paused, not yet cut off
         await asyncio.sleep(0.3)
         worker._pick()
         await asyncio.sleep(0)
-        assert stream.cancelled()
+        assert stream.cancelled() and handle.stalled  # its servicer counts the end as stalled
 
     asyncio.run(main())

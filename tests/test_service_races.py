@@ -40,6 +40,13 @@ def _service(worker: Worker) -> service.SpecSplitService:
                                     service.ServeConfig(idle_stream_s=0.1), ServerMetrics())
 
 
+class _Context:
+    """What the servicer asks of gRPC's context on these paths: the client's address."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
+
 def test_an_open_read_as_the_wait_for_it_runs_out_is_served(monkeypatch) -> None:
     """wait_for gives up, and before the handler sees it the reader takes the Open (the
     window between a timeout and its cancelled get): the session is served, not dropped."""
@@ -62,7 +69,7 @@ def test_an_open_read_as_the_wait_for_it_runs_out_is_served(monkeypatch) -> None
 
     async def main() -> tuple[str, int]:
         worker = Worker()
-        stream = _service(worker).Generate(requests(), None)
+        stream = _service(worker).Generate(requests(), _Context())
         first = await stream.__anext__()
         await stream.aclose()  # the edge goes away
         return pb.ServerMessage.FromString(first.SerializeToString()).WhichOneof("kind"), len(worker.sessions)
@@ -83,7 +90,7 @@ def test_a_session_opened_as_its_stream_goes_is_forgotten() -> None:
 
     async def main() -> tuple[list[str], int]:
         worker = Worker()
-        stream = _service(worker).Generate(requests(), None)
+        stream = _service(worker).Generate(requests(), _Context())
         kinds = [(await stream.__anext__()).WhichOneof("kind") for _ in range(2)]
         while not worker.sessions:  # the second Open is read, its session opened
             await asyncio.sleep(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +45,14 @@ def load_tokens(path: Path) -> dict[str, str]:
 FIRST_MESSAGE_WAIT_S = 5.0
 
 
-def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+# Told of every refused call: its status, the client's peer address and the message.
+OnRefusal = Callable[[grpc.StatusCode, str, str], None]
+
+
+def _deny(code: grpc.StatusCode, message: str, on_refusal: OnRefusal | None) -> grpc.RpcMethodHandler:
     async def abort(request_iterator, context):  # type: ignore[no-untyped-def]
+        if on_refusal is not None:
+            on_refusal(code, context.peer(), message)
         # Take the first message before refusing: a status sent while the client's first
         # write is still in flight reaches a gRPC Python client as INTERNAL, not as `code`.
         try:
@@ -58,8 +65,9 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, tokens: dict[str, str]) -> None:
+    def __init__(self, tokens: dict[str, str], on_refusal: OnRefusal | None = None) -> None:
         self._tokens = tokens
+        self._on_refusal = on_refusal  # so that refusals are counted and logged: token guessing shows
 
     def device_for(self, token: str) -> str | None:
         for known, device in self._tokens.items():
@@ -72,9 +80,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         header = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         if not header.startswith("Bearer "):
-            return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
+            return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata",
+                         self._on_refusal)
         if self.device_for(header.removeprefix("Bearer ").strip()) is None:
-            return _deny(grpc.StatusCode.PERMISSION_DENIED, "this token belongs to no registered device")
+            return _deny(grpc.StatusCode.PERMISSION_DENIED, "this token belongs to no registered device",
+                         self._on_refusal)
         return await continuation(handler_call_details)
 
 

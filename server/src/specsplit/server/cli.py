@@ -6,15 +6,16 @@ import asyncio
 import functools
 import gc
 import logging
-import math
 import sys
 import time
 from pathlib import Path
 
+from specsplit.common.address import check_host_port
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 
 # Not __name__: under `python -m` that is __main__, outside the "specsplit" logger whose level main() sets.
 log = logging.getLogger("specsplit.server.cli")
+MAX_HEALTH_TIMEOUT_S = 86_400.0
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections while serving (Python's default: 700)
 
 
@@ -50,6 +51,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
+    if args.log_format == "json":  # transformers' progress bars would break the lines' JSON
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, kv_buckets_by_default
 
     if args.engine == "auto":  # CUDA graphs need the static engine; on a CPU only the dynamic one is exact
@@ -214,8 +219,8 @@ def _health(args: argparse.Namespace) -> int:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
-        except grpc.RpcError as exc:
-            print(f"{args.address}: {exc.code().name}", file=sys.stderr)
+        except grpc.RpcError as exc:  # the details tell a refused connection from a TLS or DNS failure
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(f"{args.address}: {status}")
@@ -419,8 +424,13 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         return "--target, --draft and --draft-quantize are for prepare; pull fetches the default pair only"
     if args.func is _export and not args.tolerance >= 0:
         return f"--tolerance must be 0 or more, got {args.tolerance}"
-    if args.func is _health and not 0 < args.timeout < math.inf:
-        return f"--timeout must be above 0, got {args.timeout}"
+    if args.func is _health:
+        if not 0 < args.timeout <= MAX_HEALTH_TIMEOUT_S:  # gRPC takes a far deadline for one long past
+            return f"--timeout must be above 0 and at most {MAX_HEALTH_TIMEOUT_S:g} s, got {args.timeout}"
+        try:
+            check_host_port(args.address)
+        except ValueError as exc:
+            return f"--address: {exc}, got {args.address!r}"
     return None
 
 

@@ -1,6 +1,7 @@
 """JSON log lines (`--log-format json`), with the session id as a field where there is one."""
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 
@@ -8,7 +9,9 @@ import logging
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            # ISO 8601 in UTC, to the millisecond: orderable, and comparable across machines.
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(
+                timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

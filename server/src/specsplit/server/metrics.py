@@ -1,23 +1,50 @@
 """Prometheus metrics of the server (prometheus-client), served on their own port."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+
+# Label values known in advance start at 0, so that rate() and absence alerts see a series
+# from the start rather than none until the first event.
+ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+               "DEADLINE_EXCEEDED", "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED")
+END_REASONS = ("eos", "stop", "length", "context", "cancelled", "disconnected", "stalled", "error")
+REFUSALS = ("full", "draining")
+IDLE_ENDS = ("timeout", "limit")
 
 
 class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = registry or CollectorRegistry()
         self.registry = r
+        if registry is None:  # the process' own series (memory, CPU, open files, start time, GC), as usual
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                r.register(collector)
         self.sessions_active = Gauge("specsplit_sessions_active", "Sessions currently open", registry=r)
         self.sessions_total = Counter("specsplit_sessions", "Sessions opened", registry=r)
-        self.sessions_ended = Counter("specsplit_sessions_ended", "Sessions ended, by reason", ["reason"], registry=r)
+        self.sessions_limit = Gauge("specsplit_sessions_limit", "Sessions the server holds at most (--max-sessions)",
+                                    registry=r)
+        self.sessions_ended = Counter("specsplit_sessions_ended", "Sessions ended, by reason: how their Done said "
+                                      "(eos, stop, length, context, cancelled), or disconnected (the edge went "
+                                      "away), stalled (the edge stopped reading), error", ["reason"], registry=r)
+        self.sessions_refused = Counter("specsplit_sessions_refused", "Opens refused: the server held its limit "
+                                        "(full) or was draining", ["reason"], registry=r)
         self.streams_idle = Gauge("specsplit_streams_idle", "Streams open between sessions, for their device's "
                                   "next generation", registry=r)
         self.idle_streams_ended = Counter("specsplit_idle_streams_ended", "Streams ended between sessions by the "
                                           "server: idle too long (timeout) or too many idle (limit)", ["reason"],
                                           registry=r)
         self.tokens_committed = Counter("specsplit_tokens_committed", "Tokens committed", registry=r)
-        self.drafts_proposed = Counter("specsplit_drafts_proposed", "Drafts verified", registry=r)
+        self.drafts_proposed = Counter("specsplit_drafts_proposed", "Drafts judged by verifications, as their "
+                                       "verdicts count them (drafts past the generation's end are not)", registry=r)
         self.drafts_accepted = Counter("specsplit_drafts_accepted", "Drafts accepted", registry=r)
         self.branches_verified = Counter(
             "specsplit_branches_verified", "Edge branches verified in the same pass as the draft they replaced",
@@ -27,11 +54,12 @@ class ServerMetrics:
             "specsplit_sessions_paced", "Places in a pass that sessions ahead of --pace-tokens-per-s gave up", registry=r
         )
         self.verify_seconds = Histogram(
-            "specsplit_verification_seconds", "Target pass time per verification", registry=r,
+            "specsplit_verification_seconds", "Target pass time, one observation per pass (however many sessions "
+            "it verifies)", registry=r,
             buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
         )
         self.verify_drafts = Histogram(
-            "specsplit_verification_drafts", "Drafts per verification", registry=r,
+            "specsplit_verification_drafts", "Drafts fed per session per pass", registry=r,
             buckets=(0, 1, 2, 4, 8, 16, 24, 32, 48, 64),
         )
         self.batch_sessions = Histogram(
@@ -50,7 +78,12 @@ class ServerMetrics:
         )
         self.outbox_depth = Gauge("specsplit_outbox_depth", "Messages queued to edges, all sessions", registry=r)
         self.kv_bytes = Gauge("specsplit_kv_cache_bytes", "KV cache memory held by sessions", registry=r)
-        self.errors = Counter("specsplit_errors", "Streams ended with an error, by gRPC status", ["code"], registry=r)
+        self.errors = Counter("specsplit_errors", "Calls ended with an error, by gRPC status (token refusals "
+                              "included)", ["code"], registry=r)
+        for counter, values in ((self.errors, ERROR_CODES), (self.sessions_ended, END_REASONS),
+                                (self.sessions_refused, REFUSALS), (self.idle_streams_ended, IDLE_ENDS)):
+            for value in values:
+                counter.labels(value)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

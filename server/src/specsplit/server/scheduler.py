@@ -90,6 +90,7 @@ class SessionHandle:
     idle_since: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0  # time the target spent on this session
     stream_task: asyncio.Task | None = None  # the servicer task, cancelled if the edge stalls
+    stalled: bool = False  # ended because its edge stopped reading (the servicer's reason for the end)
     full_since: float | None = None  # when the outbox last filled up
     budget: int = 0  # drafts the next verification takes, as planned
     arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
@@ -213,6 +214,7 @@ class VerificationWorker:
             if now - h.full_since > self.config.stalled_edge_s and h.stream_task is not None:
                 log.info("session %s: the edge stopped reading; ending the session", s.session_id,
                          extra={"session": s.session_id})
+                h.stalled = True
                 h.stream_task.cancel()
                 return None
             return h.full_since + self.config.stalled_edge_s + 0.01  # look again then

@@ -22,6 +22,7 @@ from specsplit.server.auth import BearerTokenInterceptor, TLSConfig
 from specsplit.server.engine import Engine
 from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
 from specsplit.server.listeners import bind_listeners, check_listeners
+from specsplit.server.log_throttle import LogThrottle, client_of
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.pace import PaceLog
@@ -95,6 +96,8 @@ class SpecSplitService:
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
+        self.throttle = LogThrottle()
+        metrics.sessions_limit.set(cfg.max_sessions)
         # Half the timeout where that is shorter than the grace: the timeout ends streams anyway.
         self.idle = IdleStreams(cfg.max_idle_streams, min(GRACE_S, cfg.idle_stream_s / 2))
         metrics.streams_idle.set_function(lambda: len(self.idle))
@@ -118,8 +121,10 @@ class SpecSplitService:
                 event = codec.edge_from_pb(msg)
                 if isinstance(event, OpenRequest) and conn.idle:
                     if self.draining:
+                        self.metrics.sessions_refused.labels("draining").inc()
                         raise errors.ServerDraining("server is shutting down; open the session on another server")
                     if self.worker.held() >= self.cfg.max_sessions:
+                        self.metrics.sessions_refused.labels("full").inc()
                         raise errors.ServerBusy(
                             f"server holds its limit of {self.cfg.max_sessions} sessions; retry later"
                         )
@@ -150,9 +155,11 @@ class SpecSplitService:
         is the longest idle of more than max_idle_streams. A stream whose Open does not come
         within idle_stream_s ends with DEADLINE_EXCEEDED."""
         conn = ServerConnection(self.limits, uuid.uuid4().hex[:12])
+        peer = context.peer()
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
         reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
         session: str | None = None  # the open session's id, from its Opened to its Done
+        prompt_len = 0  # the open session's, so that its log lines count the tokens it generated
         half_closed = False
         reason = "disconnected"
         try:
@@ -183,8 +190,8 @@ class SpecSplitService:
                 if isinstance(item, errors.ProtocolError):
                     reason = "error"
                     self.metrics.errors.labels(item.status).inc()
-                    log.info("session %s: %s: %s", session or conn.stream_id, item.status, item.message,
-                             extra={"session": session or conn.stream_id})
+                    self._client_failed(peer, item.status, f"session {session or conn.stream_id}: {item.status}: "
+                                        f"{item.message}", session or conn.stream_id)
                     pushback = () if item.retry_after_s is None else \
                         ((errors.PUSHBACK_METADATA, str(round(item.retry_after_s * 1000))),)
                     await context.abort(grpc.StatusCode[item.status], item.message, pushback)
@@ -194,6 +201,7 @@ class SpecSplitService:
                     await context.abort(grpc.StatusCode.INTERNAL, f"{errors.VERIFICATION_FAILED}: {item}")
                 if isinstance(item, Opened):
                     session = item.session_id
+                    prompt_len = conn.session.prompt_len if conn.session is not None else 0
                     self.metrics.sessions_active.inc()
                 elif isinstance(item, Verdict):
                     self.metrics.tokens_committed.inc(len(item.tokens))
@@ -201,8 +209,8 @@ class SpecSplitService:
                     self.metrics.drafts_accepted.inc(item.accepted)
                 yield codec.server_to_pb(item)
                 if isinstance(item, Done):
-                    log.info("session %s: done (%s) at %d tokens", session, item.reason.name.lower(),
-                             item.committed_length, extra={"session": session})
+                    log.info("session %s: done (%s): %d new tokens", session, item.reason.name.lower(),
+                             item.committed_length - prompt_len, extra={"session": session})
                     self._ended(item.reason.name.lower())
                     session = None
                     if half_closed:
@@ -212,12 +220,32 @@ class SpecSplitService:
             reader.cancel()
             self.idle.discard(conn.stream_id)
             if conn.session is not None:
+                handle = self.worker.sessions.get(conn.session.session_id)
+                if handle is not None and handle.stalled:
+                    reason = "stalled"
                 # Its Opened may not have gone out (an Open read as the stream ended): the
                 # worker holds it all the same.
                 self.worker.remove(conn.session.session_id)
                 conn.session.cancel()
             if session is not None:
+                if reason == "disconnected":  # an error or a stall has said so already
+                    assert conn.session is not None
+                    log.info("session %s from %s: ended (the edge went away) after %d new tokens", session, peer,
+                             conn.session.committed_len - conn.session.prompt_len, extra={"session": session})
                 self._ended(reason)
+
+    def _client_failed(self, peer: str, status: str, what: str, session: str | None = None) -> None:
+        """One line for a client's failed call, at most one per client and status in
+        LogThrottle's interval."""
+        held = self.throttle.allow(f"{client_of(peer)} {status}")
+        if held is not None:
+            more = f" ({held} more from this client not logged)" if held else ""
+            log.info("%s (from %s)%s", what, peer, more, extra={"session": session} if session else None)
+
+    def refused(self, code: grpc.StatusCode, peer: str, message: str) -> None:
+        """A call the token check refused (auth.OnRefusal)."""
+        self.metrics.errors.labels(code.name).inc()
+        self._client_failed(peer, code.name, f"call refused: {code.name}: {message}")
 
     def _ended(self, reason: str) -> None:
         self.metrics.sessions_active.dec()
@@ -253,8 +281,8 @@ async def serve(
         ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-    interceptors = [BearerTokenInterceptor(cfg.tokens)] if cfg.tokens is not None else []
     service = SpecSplitService(worker, limits, cfg, metrics)
+    interceptors = [BearerTokenInterceptor(cfg.tokens, service.refused)] if cfg.tokens is not None else []
     health_servicer = health.aio.HealthServicer()
 
     def register(server: grpc.aio.Server) -> None:
@@ -318,8 +346,9 @@ async def serve(
         while worker.sessions and loop.time() < deadline and not worker_task.done() and not hurry.is_set():
             await asyncio.sleep(0.1)  # (no session ends without the worker)
         if worker.sessions:
-            log.warning("sessions still open after the grace: %d; ending them (their edges re-open elsewhere)",
-                        len(worker.sessions))
+            log.warning("sessions still open %s: %d (%s); ending them (their edges re-open elsewhere)",
+                        "at a second signal" if hurry.is_set() else "after the grace", len(worker.sessions),
+                        ", ".join(sorted(worker.sessions)))
         await asyncio.gather(*(server.stop(1.0) for server in servers))
         service.trimmer.cancel()
         worker_task.cancel()
