@@ -437,14 +437,15 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
     assert "server not started by the load test" in md and "- load generator: " in md
     for secret in (token, str(tmp_path)):
         assert secret not in text and secret not in md
-    assert "--metrics-url METRICS_URL" in got["rerun"]  # a URL may carry credentials
+    assert "--metrics-url METRICS_URL" in got["rerun"]  # a URL may carry a secret
+    assert capacity(got)["device"] is None  # the machine described is the load generator's
     # The lost server: the point it died in has errors, the next finished nothing and ended the sweep.
     lost_report = json.loads((tmp_path / "out" / "lost.json").read_text())
     first, = lost_report["results"]["none"]
     assert first["errors"]["total"] > 0 and not first["meets_slo"]
     assert "read(s) failed" in first["server"]["metrics"]
     assert [p["generations"] for p in lost_report["results"]["sim"]] == [0]
-    assert "finished no generation" in lost_report["stopped"]
+    assert "finished no generation" in lost_report["stopped"] and capacity(lost_report)["stopped"]
     assert "**Stopped early:** sim with 1 session(s) finished no generation" in (tmp_path / "out" / "lost.md").read_text()
     other.shutdown()
 

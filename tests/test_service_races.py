@@ -98,3 +98,51 @@ def test_a_session_opened_as_its_stream_goes_is_forgotten() -> None:
         return kinds, len(worker.sessions)
 
     assert asyncio.run(main()) == (["opened", "done"], 0)
+
+
+def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
+    """A session opened, then its stream ended by `mark`: the scheduler's stall (its handle
+    marked, its task cancelled), the edge gone, or the drain."""
+    import logging
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield OPEN
+        await asyncio.sleep(60)
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("specsplit.server.service")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+    async def main() -> service.SpecSplitService:
+        worker = Worker()
+        svc = _service(worker)
+        stream = svc.Generate(requests(), _Context())
+        assert (await stream.__anext__()).WhichOneof("kind") == "opened"
+        if mark == "stalled":
+            next(iter(worker.sessions.values())).stalled = True
+        svc.draining = mark == "shutdown"
+        await stream.aclose()
+        return svc
+
+    try:
+        svc = asyncio.run(main())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    ended = {r: svc.metrics.sessions_ended.labels(r)._value.get() for r in ("stalled", "disconnected", "shutdown")}
+    return ended, records
+
+
+def test_how_a_session_without_its_done_ended_is_counted_and_logged_with_its_client() -> None:
+    ended, lines = _ended_after_opened("stalled")
+    assert ended == {"stalled": 1, "disconnected": 0, "shutdown": 0}
+    assert any("from ipv4:127.0.0.1:50000: ended (the edge stopped reading)" in line for line in lines), lines
+    ended, lines = _ended_after_opened("disconnected")
+    assert ended == {"stalled": 0, "disconnected": 1, "shutdown": 0}
+    assert any("from ipv4:127.0.0.1:50000: ended (the edge went away) after 0 new tokens" in line for line in lines)
+    ended, lines = _ended_after_opened("shutdown")  # the drain's own warning names it
+    assert ended == {"stalled": 0, "disconnected": 0, "shutdown": 1} and not any("ended (" in line for line in lines)

@@ -18,6 +18,11 @@ def test_edges_are_told_a_local_model_by_its_name_and_a_hub_model_by_its_id(tmp_
     monkeypatch.chdir(tmp_path / "models")
     assert served_name("coder-1.5b") == "coder-1.5b" and served_name(".") == "models"
     assert served_name("Qwen/Qwen2.5-Coder-1.5B-Instruct") == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    blob = tmp_path / "blobs" / "7f3a9c"
+    blob.parent.mkdir()
+    blob.write_text("")
+    (tmp_path / "models" / "model.gguf").symlink_to(blob)  # as a hub cache keeps its files
+    assert served_name(str(tmp_path / "models" / "model.gguf")) == "model.gguf"
 
 
 def test_a_missing_path_or_bare_name_is_no_hub_id(tmp_path) -> None:

@@ -20,7 +20,8 @@ def capacity(report: dict) -> dict:
     target = report["models"]["target"]
     base, split = s["baseline_sessions_at_slo"], s["split_sessions_at_slo"]
     return {
-        "device": m.get("gpu") or m["cpu"],
+        # A server the load test did not start: its device is unknown here (the CPU is the load generator's).
+        "device": None if m.get("device") == "remote" else m.get("gpu") or m["cpu"],
         "target_config": target.get("config"),  # None: a server the load test did not start
         "target": target["name"],
         "dtype": target.get("dtype"),
@@ -32,6 +33,7 @@ def capacity(report: dict) -> dict:
         "errors": s["errors"],
         "mismatched_outputs": s["mismatched_outputs"],
         "server_args": report.get("server_args"),
+        "stopped": report.get("stopped"),  # a sweep that ended early (interrupted, nothing served)
         "full_report": report.get("name"),
         "rerun": report["rerun"],
     }
@@ -44,7 +46,8 @@ def _count(sessions: int | None) -> str:
 def render(c: dict, source: str, out: str = "bench/results/capacity-gpu") -> str:
     ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
     return "\n".join([
-        f"# Capacity at {c['slo_tokens_per_s']:g} tokens/s per session ({c['device']})", "",
+        f"# Capacity at {c['slo_tokens_per_s']:g} tokens/s per session "
+        f"({c['device'] or 'a server the load test did not start'})", "",
         "| | sessions at the SLO |", "| --- | --- |",
         f"| server only (baseline) | {_count(c['baseline_sessions_at_slo'])} |",
         f"| split, simulated edges at alpha {c['alpha']:g} | {_count(c['split_sessions_at_slo'])} |",

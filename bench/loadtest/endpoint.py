@@ -4,6 +4,7 @@ Plain values, so that a point's spec can cross to worker processes: gRPC's crede
 cannot be pickled, so every process builds its own from the files."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +18,13 @@ CHANNEL_OPTIONS = [
     # gRPC shares connections between channels to one address; each edge is its own device.
     ("grpc.use_local_subchannel_pool", 1),
 ]
+
+
+@functools.lru_cache(maxsize=None)
+def _credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
+    """Read and checked once per process, not once per session: a check builds SSL contexts,
+    about a millisecond of the event loop that runs the sessions."""
+    return client_credentials(ca, cert, key)
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class ServerEndpoint:
 
     def channel(self) -> grpc.aio.Channel:
         """A channel of its own (its own connection, as a separate device would have)."""
-        credentials = client_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        credentials = _credentials(self.tls_ca, self.tls_cert, self.tls_key)
         if credentials is None:
             return grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         return grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)

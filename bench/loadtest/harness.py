@@ -92,7 +92,7 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
         log("preparing models ...")
         models = choose_models(Path(tmp), opts.target, opts.target_config, opts.draft, "onnx" in cfg.modes)
-        prompts = load_prompts(models.target_dir, opts.prompt_set)
+        prompts = _prompts(models.target_dir, opts.prompt_set)
         metrics_port = free_port()
         # The session and idle-stream limits are not under test: room for the largest point, with margin.
         room = str(2 * cfg.most())
@@ -124,6 +124,13 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
             raise
 
 
+def _prompts(tokenizer_dir: Path, prompt_set: str) -> PromptSet:
+    try:
+        return load_prompts(tokenizer_dir, prompt_set)
+    except (OSError, ValueError) as exc:  # no tokenizer there, or no chat template for the benchmark's
+        raise SetupError(str(exc)) from None
+
+
 @contextmanager
 def _serving(endpoint: ServerEndpoint, what: str) -> Iterator[None]:
     """SetupError, in one line, where the server fails `what` (a lost server, a refusal)."""
@@ -150,7 +157,7 @@ def attached(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pr
     the prompts encoded by the draft's tokenizer. Raises SetupError where it cannot be used."""
     endpoint, draft = opts.server, opts.draft
     assert endpoint is not None and draft is not None, "a given server needs a draft export for its tokenizer"
-    prompts = load_prompts(draft, opts.prompt_set)
+    prompts = _prompts(draft, opts.prompt_set)
     if opts.metrics_url:
         _check_metrics(opts.metrics_url)
     log(f"warming up the server at {endpoint.address} ...")

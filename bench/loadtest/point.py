@@ -39,7 +39,6 @@ class ServerHandle:
 class Peaks:
     kv_bytes: float | None = None
     rss_bytes: float | None = None
-    samples: int = 0
     failed_reads: int = 0
 
 
@@ -61,7 +60,6 @@ async def _sample(server: ServerHandle, peaks: Peaks, stop: asyncio.Event) -> No
                 peaks.rss_bytes = _higher(peaks.rss_bytes, proc.memory_info().rss)
             except psutil.Error:  # the server is gone: the sessions' errors will say so
                 proc = None
-        peaks.samples += 1
         try:
             await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
         except asyncio.TimeoutError:
@@ -90,7 +88,11 @@ async def measure_point(server: ServerHandle, spec: LoadSpec, kinds: list[str],
         if workers is None:
             run = await run_sessions(spec, sessions)
         else:
-            run = _merge(await asyncio.to_thread(workers.run, spec, sessions))
+            try:
+                run = _merge(await asyncio.to_thread(workers.run, spec, sessions))
+            except asyncio.CancelledError:  # Ctrl-C: asyncio.run would wait for the thread, and so for the point
+                workers.abort()
+                raise
     finally:
         stop.set()
         await sampler

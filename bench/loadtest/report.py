@@ -15,6 +15,8 @@ MODE_TITLES = {
     "sim": "simulated edges, async",
     "onnx": "real ONNX Runtime edges, async",
 }
+
+
 def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results: dict[str, list[dict]],
                  stopped: str | None = None) -> dict:
     """`setup`: machine, pinning, models, network, server_args (or server, for a server the

@@ -49,7 +49,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 # Local paths, kept out of the reports' rerun line.
 PATH_OPTIONS = {"--target": "TARGET_DIR", "--draft": "DRAFT_DIR", "--out-dir": "OUT_DIR", "--server-log": "LOG",
                 "--tls-ca": "CA_FILE", "--tls-cert": "CERT_FILE", "--tls-key": "KEY_FILE",
-                "--metrics-url": "METRICS_URL"}  # a URL may carry credentials
+                "--metrics-url": "METRICS_URL"}  # a URL may carry a secret (a query token, say)
 # Options for the server the load test starts, meaningless with --server; with their defaults.
 STARTED_SERVER_OPTIONS = {"target": None, "target_config": None, "device": None, "dtype": None, "server_arg": [],
                           "server_cores": None, "server_threads": None, "server_log": None}
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         report = execute(opts, cfg, settings, log)
-    except (SetupError, ValueError) as exc:  # a server that refuses or fails us; a prompt set it cannot make
+    except SetupError as exc:  # a server that refuses or fails us; prompts its tokenizer cannot make
         log(f"error: {exc}")
         return 1
     except KeyboardInterrupt:  # before the sweep (interrupted in it, the sweep reports what finished)

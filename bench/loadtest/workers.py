@@ -50,7 +50,6 @@ class ClientWorkers:
         ctx = mp.get_context("spawn")  # no fork of a process holding gRPC and ONNX Runtime threads
         self._conns: list[Connection] = []
         self._procs = []
-        self._running = False  # a point's sessions are out: run() has not had all the answers
         for i in range(procs):
             parent, child = ctx.Pipe()
             core = cores[i % len(cores)] if cores else None
@@ -95,18 +94,17 @@ class ClientWorkers:
                     self._conns[i].send(CANCEL)
             raise RuntimeError("; ".join(problems))
         started = time.monotonic() + START_LEAD_S
-        self._running = True
         for i in busy:
             self._conns[i].send(started)
-        runs = [self._answer(i) for i in busy]
-        self._running = False
-        return runs  # type: ignore[return-value]
+        return [self._answer(i) for i in busy]  # type: ignore[misc]
+
+    def abort(self) -> None:
+        """End the workers now, in the middle of a point (Ctrl-C): a run() waiting for them
+        then raises RuntimeError instead of waiting for the point's end."""
+        for proc in self._procs:
+            proc.terminate()
 
     def close(self) -> None:
-        """Let the workers end; where a point was left running (run() interrupted), end them now."""
-        if self._running:
-            for proc in self._procs:
-                proc.terminate()
         for conn in self._conns:
             try:
                 conn.send(None)

@@ -16,7 +16,7 @@ from prometheus_client import (
 # from the start rather than none until the first event.
 ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
                "DEADLINE_EXCEEDED", "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED")
-END_REASONS = ("eos", "stop", "length", "context", "cancelled", "disconnected", "stalled", "error")
+END_REASONS = ("eos", "stop", "length", "context", "cancelled", "disconnected", "stalled", "shutdown", "error")
 REFUSALS = ("full", "draining")
 IDLE_ENDS = ("timeout", "limit")
 
@@ -34,7 +34,8 @@ class ServerMetrics:
                                     registry=r)
         self.sessions_ended = Counter("specsplit_sessions_ended", "Sessions ended, by reason: how their Done said "
                                       "(eos, stop, length, context, cancelled), or disconnected (the edge went "
-                                      "away), stalled (the edge stopped reading), error", ["reason"], registry=r)
+                                      "away), stalled (the edge stopped reading), shutdown (the drain's grace ran "
+                                      "out), error", ["reason"], registry=r)
         self.sessions_refused = Counter("specsplit_sessions_refused", "Opens refused: the server held its limit "
                                         "(full) or was draining", ["reason"], registry=r)
         self.streams_idle = Gauge("specsplit_streams_idle", "Streams open between sessions, for their device's "

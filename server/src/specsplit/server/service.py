@@ -228,9 +228,11 @@ class SpecSplitService:
                 self.worker.remove(conn.session.session_id)
                 conn.session.cancel()
             if session is not None:
-                if reason == "disconnected":  # an error or a stall has said so already
-                    assert conn.session is not None
-                    log.info("session %s from %s: ended (the edge went away) after %d new tokens", session, peer,
+                if reason == "disconnected" and self.draining:
+                    reason = "shutdown"  # ended by the drain, which has logged it
+                elif reason in ("disconnected", "stalled") and conn.session is not None:  # (errors are logged)
+                    why = "the edge went away" if reason == "disconnected" else "the edge stopped reading"
+                    log.info("session %s from %s: ended (%s) after %d new tokens", session, peer, why,
                              conn.session.committed_len - conn.session.prompt_len, extra={"session": session})
                 self._ended(reason)
 
@@ -239,7 +241,7 @@ class SpecSplitService:
         LogThrottle's interval."""
         held = self.throttle.allow(f"{client_of(peer)} {status}")
         if held is not None:
-            more = f" ({held} more from this client not logged)" if held else ""
+            more = f" ({held} like it not logged since)" if held else ""
             log.info("%s (from %s)%s", what, peer, more, extra={"session": session} if session else None)
 
     def refused(self, code: grpc.StatusCode, peer: str, message: str) -> None:

@@ -1,6 +1,7 @@
 """Where a model comes from: a local path or a hub id, by one rule for every command."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # A hub id ("org/name") starts with a letter or a digit, so a source starting with one of
@@ -29,5 +30,6 @@ def served_name(source: str) -> str:
     learns where the server keeps its models."""
     path = Path(source).expanduser()
     if path.exists() or source.startswith(_PATH_PREFIXES):
-        return path.resolve().name or source  # "/" has no name: say what was given
+        # abspath, not resolve: a link (a hub cache's snapshot file, say) keeps its own name.
+        return Path(os.path.abspath(path)).name or source  # "/" has no name: say what was given
     return source
