@@ -2,7 +2,9 @@
 
 User-space stand-in for netem: every chunk read from one side is delivered to the
 other `delay` seconds later, and no faster than `rate` allows (a chunk occupies the
-link for len * 8 / rate seconds, in order). The proxy can also be paused, to stall
+link for len * 8 / rate seconds, in order). Each direction is one link, shared by every
+connection through the proxy, as one network path is. A side that half-closes has all it
+sent delivered before the other side sees the end. The proxy can also be paused, to stall
 the network without closing connections.
 """
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 import time
 from dataclasses import dataclass
 
 from cli_types import at_least, host_port, port
+from specsplit.common.address import bracketed
 
 
 @dataclass
@@ -32,6 +36,7 @@ class NetemProxy:
         self._running.set()
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._link_free = {"up": 0.0, "down": 0.0}  # when each direction's link is next free, all connections
 
     def pause(self) -> None:
         self._running.clear()
@@ -59,7 +64,9 @@ class NetemProxy:
         up = asyncio.create_task(self._pump(client_r, target_w, "up"))
         down = asyncio.create_task(self._pump(target_r, client_w, "down"))
         self._tasks |= {up, down}
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        # Both directions run to their own end (a half-close ends one, not the other), unless
+        # one fails (a reset): then the connection is over.
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_EXCEPTION)
         for t in (up, down):
             t.cancel()
         for w in (client_w, target_w):
@@ -70,7 +77,6 @@ class NetemProxy:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def deliver() -> None:
-            link_free = 0.0
             while True:
                 arrived, data = await queue.get()
                 if data is None:
@@ -78,10 +84,10 @@ class NetemProxy:
                         writer.write_eof()
                     return
                 await self._running.wait()
-                start = max(arrived + self.link.delay_s, link_free)
+                start = max(arrived + self.link.delay_s, self._link_free[direction])
                 if self.link.rate_bps > 0:
                     start += len(data) * 8 / self.link.rate_bps
-                link_free = start
+                self._link_free[direction] = start
                 wait = start - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
@@ -106,16 +112,30 @@ async def _main(args: argparse.Namespace) -> None:
     host, port = args.target.rsplit(":", 1)
     proxy = NetemProxy(host, int(port), LinkConfig(args.delay_ms / 1000, args.rate_mbit * 1e6))
     listen = await proxy.start(args.host, args.port)
-    print(f"proxy 127.0.0.1:{listen} -> {args.target}, one-way delay {args.delay_ms} ms, rate "
-          f"{args.rate_mbit or 'unlimited'} Mbit/s", flush=True)
+    rate = f"{args.rate_mbit:g} Mbit/s each way" if args.rate_mbit else "no bandwidth cap"
+    print(f"proxy {bracketed(args.host)}:{listen} -> {args.target}, one-way delay {args.delay_ms:g} ms, {rate}",
+          flush=True)
     await asyncio.Event().wait()
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__)
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", type=host_port, required=True, help="HOST:PORT to forward to")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port, default=0, help="port to listen on (0: any free one)")
     p.add_argument("--delay-ms", type=at_least(0, float), default=0.0, help="one-way delay, each direction")
-    p.add_argument("--rate-mbit", type=at_least(0, float), default=0.0, help="bandwidth cap per direction (0: none)")
-    asyncio.run(_main(p.parse_args()))
+    p.add_argument("--rate-mbit", type=at_least(0, float), default=0.0,
+                   help="bandwidth cap per direction, shared by all connections (0: none)")
+    args = p.parse_args()
+    try:
+        asyncio.run(_main(args))
+    except OSError as exc:  # the port in use, a host that does not resolve
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

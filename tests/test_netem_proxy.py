@@ -61,3 +61,43 @@ def test_bandwidth_cap_spaces_out_bytes() -> None:
         server.close()
 
     asyncio.run(main())
+
+
+def test_connections_share_each_directions_bandwidth() -> None:
+    """One network path: two connections at once get the cap between them, not each (each
+    had a link of its own, and two transfers took the time of one)."""
+    async def main() -> None:
+        server, port = await echo_server()
+        proxy = NetemProxy("127.0.0.1", port, LinkConfig(rate_bps=8e6))  # 1 MB/s each way
+        listen = await proxy.start()
+
+        async def transfer() -> None:
+            r, w = await asyncio.open_connection("127.0.0.1", listen)
+            w.write(b"x" * 200_000)
+            await r.readexactly(200_000)
+            w.close()
+
+        t0 = time.monotonic()
+        await asyncio.gather(transfer(), transfer())
+        assert time.monotonic() - t0 >= 0.4  # 400 kB at 1 MB/s, each way
+        await proxy.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_half_close_delivers_everything_sent_before_it() -> None:
+    """A client that sends its request and half-closes still gets the whole answer (the end of
+    one direction used to cancel the other, losing what was in flight)."""
+    async def main() -> None:
+        server, port = await echo_server()
+        proxy = NetemProxy("127.0.0.1", port, LinkConfig(delay_s=0.05))
+        r, w = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        w.write(b"y" * 1000)
+        w.write_eof()
+        assert await asyncio.wait_for(r.read(), 5) == b"y" * 1000  # all of it, then the end
+        w.close()
+        await proxy.close()
+        server.close()
+
+    asyncio.run(main())
