@@ -102,10 +102,14 @@ def report_name(text: str) -> str:
 
 
 def out_dir(text: str) -> Path:
-    """An output directory: made if missing, but not a file already there."""
+    """An output directory: made if missing, but neither a file already there nor under one."""
     path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                raise argparse.ArgumentTypeError(f"{place} is a file, not a directory" if place == path
+                                                 else f"{text} cannot be made: {place} is a file")
+            break
     return path
 
 

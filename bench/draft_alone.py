@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cli_types import at_least
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 
@@ -18,7 +19,7 @@ from specsplit.edge.tokenizer import EdgeTokenizer
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--draft", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     p.add_argument("prompts", nargs="+")
     args = p.parse_args()
     directory = Path(args.draft)

@@ -1,6 +1,6 @@
 """Outside anchor: Hugging Face assisted generation, both models in one process.
 
-Run pinned to one core; uses one torch thread, and for both models the dtype the server
+Meant to run pinned to one core (run_bench.py pins it; alone, use taskset); uses one torch thread, and for both models the dtype the server
 picks on this CPU (`--dtype auto`), loaded as the server loads it, so that its output can
 be compared with the server's. Prints one JSON object per prompt: tokens, seconds,
 tokens/s, token ids.
@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from cli_types import at_least
 from specsplit.server.loading import load_model, resolve_dtype
 
 
@@ -20,7 +21,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True, help="HF directory or GGUF of the draft model")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
     p.add_argument("prompts", nargs="+")
     args = p.parse_args()
     torch.set_num_threads(1)

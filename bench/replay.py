@@ -140,9 +140,21 @@ def render(result: dict) -> str:
 
 
 def _shown(path: Path) -> str:
-    """A path as the report shows it: relative to the repository when inside it."""
-    path = path.resolve()
-    return str(path.relative_to(HERE.parent)) if path.is_relative_to(HERE.parent) else path.name
+    """A path as the report shows it: relative to the repository when inside it, else as given
+    (the rerun line must run)."""
+    full = path.resolve()
+    return str(full.relative_to(HERE.parent)) if full.is_relative_to(HERE.parent) else str(path)
+
+
+def _result(path: Path, keys: tuple[str, ...], what: str) -> dict:
+    """The JSON result at `path`, or ValueError where it is not `what` (it lacks `keys`)."""
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(data, dict) or any(k not in data for k in keys):
+        raise ValueError(f"{path} is not {what} (it lacks {', '.join(k for k in keys if not isinstance(data, dict) or k not in data)})")
+    return data
 
 
 def main() -> None:
@@ -166,13 +178,19 @@ def main() -> None:
     if not args.bench.is_file() or not args.pass_costs.is_file():
         p.error(f"need both {args.bench} and {args.pass_costs}: run bench/run_bench.py and bench/gpu_passes.py first")
 
-    bench = json.loads(args.bench.read_text())
+    try:
+        bench = _result(args.bench, ("network", "runs", "machine"), "a bench/run_bench.py result")
+        costs = pass_costs(_result(args.pass_costs, ("archs",), "a bench/gpu_passes.py result"))
+    except ValueError as exc:
+        p.error(str(exc))
     rtt = args.rtt_ms if args.rtt_ms is not None else bench["network"]["rtt_ms"][0]
     nones = {r["prompt"]: r for r in bench["runs"] if r["mode"] == "none" and r["rtt_ms"] == rtt}
     drafts = [r["tokens_per_s"] for r in bench["runs"] if r["mode"] == "draft"]
     if not nones or not drafts:
         p.error(f"{args.bench} has no `none` runs at RTT {rtt} ms or no draft-alone runs")
-    costs = pass_costs(json.loads(args.pass_costs.read_text()))
+    texts = {q["id"]: q["text"] for q in benchmark_prompts()}
+    if unknown := sorted(set(nones) - set(texts)):
+        p.error(f"{args.bench} has prompts not in the benchmark's prompt set: {', '.join(unknown)}")
     link = rm.Link(draft_ms=1000.0 / statistics.fmean(drafts), one_way_ms=rtt / 2)
 
     # Imported here: loading them is slow, and bad arguments should fail fast.
@@ -182,7 +200,6 @@ def main() -> None:
 
     draft_dir = args.draft or models.prepare().draft_dir
     tokenizer, drafter = EdgeTokenizer(draft_dir), OnnxDrafter(draft_dir, threads=1)
-    texts = {q["id"]: q["text"] for q in benchmark_prompts()}
     agreements = {}
     for prompt, run in tqdm(nones.items(), desc="draft agreement", unit="prompt"):
         drafter.reset()
@@ -196,7 +213,8 @@ def main() -> None:
             "agreement": statistics.fmean(x for a in agreements.values() for x in a),
             "rerun": f"python bench/replay.py --bench {_shown(args.bench)} --pass-costs {_shown(args.pass_costs)} "
                      f"--sync-k {' '.join(map(str, args.sync_k))}" + (f" --rtt-ms {rtt:g}" if args.rtt_ms is not None else "")
-                     + (f" --name {args.name}" if args.name != default_name else ""),
+                     + (f" --name {args.name}" if args.name != default_name else "")
+                     + (f" --out {_shown(args.out)}" if args.out.resolve() != (HERE / "results").resolve() else ""),
         },
         "agreement": {k: "".join("1" if x else "0" for x in a) for k, a in agreements.items()},
         "measured": measured_speedups(bench["runs"], rtt),

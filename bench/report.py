@@ -6,7 +6,14 @@ from collections import defaultdict
 
 from specsplit.common.acceptance import observed_acceptance
 
-MODE_ORDER = ["none", "sync-2", "sync-4", "sync-6", "sync-8", "async-no-branches", "async", "draft", "hf-assisted"]
+MODE_ORDER = ["none", "sync", "async-no-branches", "async", "draft", "hf-assisted"]  # sync-K by K within sync
+
+
+def _mode_rank(mode: str) -> tuple[int, int]:
+    kind, _, k = mode.partition("-")
+    if kind == "sync" and k.isdigit():
+        return MODE_ORDER.index("sync"), int(k)
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)), 0
 
 
 def _mean(xs) -> float:  # type: ignore[no-untyped-def]
@@ -68,8 +75,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "bytes_down_per_token": sum(r.get("bytes_down", 0) for r in g) / tokens if tokens else 0.0,
             "identical": all(identical) if identical else None,
         })
-    out.sort(key=lambda s: (s["rtt_ms"] is None, s["rtt_ms"] or 0, MODE_ORDER.index(s["mode"])
-                            if s["mode"] in MODE_ORDER else 99))
+    out.sort(key=lambda s: (s["rtt_ms"] is None, s["rtt_ms"] or 0, _mode_rank(s["mode"])))
     return out
 
 
@@ -122,7 +128,7 @@ def render_markdown(result: dict) -> str:
         f"- models: target {result['models']['target']} served in {result['models']['target_dtype']}; "
         f"draft {result['models']['draft']} (ONNX, {result['models']['draft_quantization']})",
         f"- network: {result['network']['how']}; RTT {', '.join(f'{r:g}' for r in result['network']['rtt_ms'])} ms; "
-        f"bandwidth cap {result['network']['rate_mbit'] or 'none'}",
+        f"bandwidth cap {str(result['network']['rate_mbit']) + ' Mbit/s each way' if result['network']['rate_mbit'] else 'none'}",
         f"- greedy, {s['max_new_tokens']} new tokens, prompts: {', '.join(s['prompts'])}; async window {s['window']}; "
         f"server args: `{s['server_args'] or 'defaults'}`",
         f"- wall time of the run: {result['wall_s'] / 60:.1f} min"
@@ -141,7 +147,7 @@ def render_markdown(result: dict) -> str:
     for r in result["summary"]:
         lines.append(
             f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {r['prompts']} | {_fmt(r['tokens_per_s'])} "
-            f"| {_fmt(r['speedup_vs_none'])}x | {_fmt(r['ttft_ms'], '.0f')} "
+            f"| {_fmt(r['speedup_vs_none'])}{'x' if r['speedup_vs_none'] is not None else ''} | {_fmt(r['ttft_ms'], '.0f')} "
             f"| {_fmt(r['itl_p50_ms'], '.0f')}/{_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['acceptance_rate'], '.0%')} "
             f"| {_fmt(r.get('acceptance_per_position'), '.0%')} "
             f"| {_fmt(r['mean_accepted'])} | {r['drafts_wasted']} | {r['verifications']} "

@@ -3,7 +3,8 @@ emulated network, plus the draft alone and Hugging Face assisted generation.
 
 Everything runs side by side in one run on the same prompts: the server pinned to one
 core, edges (and this driver, and the network proxy) on the other, one thread each.
-Writes bench/results/<name>.json and a Markdown table beside it.
+Writes <out>/<name>.json (--out: bench/results by default), a Markdown table beside it, and
+the server's log as <out>/<name>-server.log.
 """
 from __future__ import annotations
 
@@ -77,6 +78,23 @@ def async_window(window: str) -> list[str]:
     return ["--no-adaptive-window", "--window", window]
 
 
+def _serve_args_problem(server_args: list[str]) -> str | None:
+    """What `specsplit-server serve` would refuse in `server_args`, said before anything is
+    measured (the server starts only after the anchors have run)."""
+    import contextlib
+    import io
+
+    from specsplit.server.cli import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            build_parser().parse_args(["serve", "--target", "t", *server_args])
+    except SystemExit:
+        return err.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     all_prompts = benchmark_prompts()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
@@ -86,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="RTTs to sweep, in the order measured (the goal's 50 ms first)")
     p.add_argument("--prompts", type=at_least(0), default=0,
                    help=f"use the first N of the {len(all_prompts)} prompts (default 0: all)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=128, help="per generation")
     p.add_argument("--sync-k", type=at_least(1), nargs="+", default=[2, 4, 6, 8], help="drafts per round of sync")
     p.add_argument("--window", type=_window, default="auto",
                    help="async lookahead: auto (default, the edge's default: sized from the acceptance seen, at most "
@@ -96,13 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--async-no-branches", action="store_true",
                    help="also measure async with the edge drafting no branches (mode async-no-branches)")
     p.add_argument("--server-args", type=shlex.split, default=[],
-                   help="extra arguments for specsplit-server serve, as one string (shell quoting applies)")
+                   help="extra arguments for specsplit-server serve, as one string (shell quoting applies); "
+                   "give it with = where it starts with a dash: --server-args='--fuse --max-wait-ms 50'")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in <out>/<name>.json (same settings) and measure only the missing ones")
     p.add_argument("--out", type=out_dir, default=HERE / "results", help="where (default: bench/results)")
     args = p.parse_args(argv)
     if args.prompts > len(all_prompts):
         p.error(f"--prompts: there are {len(all_prompts)} prompts, not {args.prompts}")
+    if problem := _serve_args_problem(args.server_args):
+        p.error(f"--server-args: {problem}")
     async_args = async_window(args.window)
 
     server_cores, edge_cores = server_and_edge_cores()
@@ -136,8 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     anchors = ["draft", *([] if args.no_hf else ["hf-assisted"])]
     todo = set(log.missing([(a, None, pr["id"]) for a in anchors for pr in prompts]
                            + [(m, rtt, pr["id"]) for rtt in args.rtt_ms for pr in prompts for m, _, _ in modes]))
-    print(f"{len(todo)} runs to measure ({len(log.done)} already in {log.path})", flush=True)
-    progress = tqdm(total=len(todo), unit="run", desc=args.name)
+    # A (prompt, RTT) group with any run missing is measured whole (below).
+    groups = {(rtt, pid) for m, rtt, pid in todo if rtt is not None}
+    count = sum(rtt is None for _, rtt, _ in todo) + len(groups) * len(modes)
+    print(f"{count} runs to measure ({len(log.done)} already in {log.path})", flush=True)
+    progress = tqdm(total=count, unit="run", desc=args.name)
     n = str(args.max_new_tokens)
 
     def record(mode: str, rtt, prompt_id: str, stats: dict) -> None:
@@ -156,34 +180,44 @@ def main(argv: list[str] | None = None) -> int:
         for pr, r in zip(wanted, run_script(script, [*script_args(), "--max-new-tokens", n, *texts], cores)):
             record(mode, None, pr["id"], r)
 
-    weights = DraftExportMeta.load(pair.draft_dir).quantization
-    anchor("draft", f"draft alone (ONNX {weights}, one core, one thread)", "draft_alone.py",
-           lambda: ["--draft", str(pair.draft_dir)], edge_cores)
-    anchor("hf-assisted", f"Hugging Face assisted generation (both models {resolve_dtype('auto', 'cpu')}, one process, one core)",
-           "hf_assisted.py", lambda: ["--target", str(pair.target_dir), "--draft", str(models.pull()["draft"])],
-           server_cores)
-
     server_log = Path(args.out) / f"{args.name}-server.log"
-    if any(rtt is not None for _, rtt, _ in todo):
-        with running_server(str(pair.target_dir), server_cores, extra=args.server_args,
-                            log_path=server_log) as (addr, _):
-            for rtt in args.rtt_ms:
-                groups = [pr for pr in prompts if any((m, rtt, pr["id"]) in todo for m, _, _ in modes)]
-                if not groups:
-                    continue
-                proxy = ProxyThread(addr, rtt / 2000, args.rate_mbit * 1e6)
-                progress.write(f"== RTT {rtt:g} ms through the proxy")
-                try:
-                    for pr in groups:
-                        # A (prompt, RTT) group is measured whole, so its modes stay side by side in one
-                        # server's lifetime even when an earlier invocation measured part of it.
-                        for name, edge_mode, extra in modes:
-                            stats = run_edge(proxy.address, str(pair.draft_dir), pr["text"], edge_mode, edge_cores,
-                                             ["--max-new-tokens", n, *extra])
-                            record(name, rtt, pr["id"], stats)
-                finally:
-                    proxy.close()
+    try:
+        weights = DraftExportMeta.load(pair.draft_dir).quantization
+        anchor("draft", f"draft alone (ONNX {weights}, one core, one thread)", "draft_alone.py",
+               lambda: ["--draft", str(pair.draft_dir)], edge_cores)
+        anchor("hf-assisted", f"Hugging Face assisted generation (both models {resolve_dtype('auto', 'cpu')}, one process, one core)",
+               "hf_assisted.py", lambda: ["--target", str(pair.target_dir), "--draft", str(models.pull()["draft"])],
+               server_cores)
 
+        if groups:
+            with running_server(str(pair.target_dir), server_cores, extra=args.server_args,
+                                log_path=server_log) as (addr, _):
+                for rtt in args.rtt_ms:
+                    wanted = [pr for pr in prompts if (rtt, pr["id"]) in groups]
+                    if not wanted:
+                        continue
+                    proxy = ProxyThread(addr, rtt / 2000, args.rate_mbit * 1e6)
+                    progress.write(f"== RTT {rtt:g} ms through the proxy")
+                    try:
+                        for pr in wanted:
+                            # A (prompt, RTT) group is measured whole, so its modes stay side by side in one
+                            # server's lifetime even when an earlier invocation measured part of it.
+                            for name, edge_mode, extra in modes:
+                                stats = run_edge(proxy.address, str(pair.draft_dir), pr["text"], edge_mode, edge_cores,
+                                                 ["--max-new-tokens", n, *extra])
+                                record(name, rtt, pr["id"], stats)
+                    finally:
+                        proxy.close()
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"interrupted: {len(log.done)} runs kept in {log.path}; the same command with --resume measures "
+              "the rest", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:  # a script or an edge failed, or the server did not come up
+        progress.close()
+        print(f"error: {exc} (the server's log, if it started: {server_log}; the runs measured are kept: "
+              "--resume)", file=sys.stderr)
+        return 1
     progress.close()
     log.save(complete=True)
     print(log.path.with_suffix(".md").read_text())

@@ -34,8 +34,14 @@ class RunLog:
         self.result = {**header, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
                        "complete": False, "invocations": [], "runs": []}
         if resume and path.is_file():
-            previous = json.loads(path.read_text())
-            for field in ("settings", "network", "models"):
+            try:
+                previous = json.loads(path.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                previous = None
+            if not isinstance(previous, dict) or not isinstance(previous.get("runs"), list):
+                raise SettingsMismatch(f"{path} is not a benchmark result to resume: rerun without --resume")
+            # The machine too: runs measured on two machines would stand under one machine's line.
+            for field in ("settings", "network", "models", "machine"):
                 if previous.get(field) != header.get(field):
                     raise SettingsMismatch(
                         f"{path} was measured with other {field} ({previous.get(field)!r}, now {header.get(field)!r}):"

@@ -101,6 +101,9 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     with pytest.raises(SystemExit):
         loadtest_run.main(["--out-dir", str(tmp_path / "f")])
     assert "is a file, not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a directory under a file cannot be made: found after the sweep
+        loadtest_run.main(["--out-dir", str(tmp_path / "f" / "sub")])
+    assert f"cannot be made: {tmp_path / 'f'} is a file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -110,6 +113,9 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     (["--name", "x", "--rtt-ms", "-50"], "at least 0"),  # ran without delay, recorded -50
     (["--name", "x", "--sync-k", "0"], "at least 1"),  # found after the draft and HF runs
     (["--name", "x", "--window", "0"], "a positive number or auto"),
+    # Found only when the server started, after the anchors had run for minutes.
+    (["--name", "x", "--server-args=--bogus-flag"], "--server-args: unrecognized arguments: --bogus-flag"),
+    (["--name", "x", "--server-args=--max-wait-ms soon"], "--server-args: argument --max-wait-ms"),
 ])
 def test_the_benchmark_refuses_settings_before_it_prepares_models(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -70,3 +70,25 @@ def test_resume_under_other_settings_is_refused(tmp_path):
     other = {**HEADER, "settings": {**HEADER["settings"], "max_new_tokens": 8}}
     with pytest.raises(SettingsMismatch, match="max_new_tokens"):
         _log(path, resume=True, header=other)
+
+
+def test_resume_refuses_what_it_cannot_add_to(tmp_path):
+    path = tmp_path / "t.json"
+    for text in ("not json", "[1, 2]", "{}"):
+        path.write_text(text)
+        with pytest.raises(SettingsMismatch, match="is not a benchmark result to resume"):
+            _log(path, resume=True)
+    _log(path, resume=False).add(_run("none", "a", 1.0, [1]))
+    other = {**HEADER, "machine": {**HEADER["machine"], "cpu": "another cpu"}}
+    with pytest.raises(SettingsMismatch, match="other machine"):  # one machine's line over two machines' runs
+        _log(path, resume=True, header=other)
+
+
+def test_the_report_orders_any_sync_k_and_gives_the_cap_its_unit(tmp_path):
+    path = tmp_path / "t.json"
+    header = {**HEADER, "network": {**HEADER["network"], "rate_mbit": 10.0}}
+    log = _log(path, resume=False, header=header)
+    for mode in ("async", "sync-3", "sync-12", "none"):
+        log.add(_run(mode, "a", 1.0, [1]))
+    assert [s["mode"] for s in log.result["summary"]] == ["none", "sync-3", "sync-12", "async"]
+    assert "bandwidth cap 10.0 Mbit/s each way" in path.with_suffix(".md").read_text()
