@@ -36,7 +36,7 @@ class NetemProxy:
         self._running.set()
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._link_free = {"up": 0.0, "down": 0.0}  # when each direction's link is next free, all connections
+        self._link_free = {"up": 0.0, "down": 0.0}  # when each direction's link has sent what it holds
 
     def pause(self) -> None:
         self._running.clear()
@@ -69,26 +69,34 @@ class NetemProxy:
         await asyncio.wait({up, down}, return_when=asyncio.FIRST_EXCEPTION)
         for t in (up, down):
             t.cancel()
+        await asyncio.gather(up, down, return_exceptions=True)  # (a reset is no error of the proxy's)
         for w in (client_w, target_w):
             w.close()
         self._tasks -= {up, down}
+
+    def _arrival(self, direction: str, size: int) -> float:
+        """When a chunk read now reaches the other side: after the chunks already on its
+        direction's link (all connections') have gone out, its own transmission, and the
+        delay. Booked as it is read, so the link serves chunks in the order they came."""
+        now = time.monotonic()
+        if self.link.rate_bps <= 0:
+            return now + self.link.delay_s
+        sent = max(now, self._link_free[direction]) + size * 8 / self.link.rate_bps
+        self._link_free[direction] = sent
+        return sent + self.link.delay_s
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def deliver() -> None:
             while True:
-                arrived, data = await queue.get()
+                due, data = await queue.get()
                 if data is None:
                     with contextlib.suppress(OSError):
                         writer.write_eof()
                     return
                 await self._running.wait()
-                start = max(arrived + self.link.delay_s, self._link_free[direction])
-                if self.link.rate_bps > 0:
-                    start += len(data) * 8 / self.link.rate_bps
-                self._link_free[direction] = start
-                wait = start - time.monotonic()
+                wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
                 writer.write(data)
@@ -100,8 +108,16 @@ class NetemProxy:
 
         sender = asyncio.create_task(deliver())
         try:
-            while data := await reader.read(65536):
-                queue.put_nowait((time.monotonic(), data))
+            while True:
+                read = asyncio.ensure_future(reader.read(65536))
+                await asyncio.wait({read, sender}, return_when=asyncio.FIRST_COMPLETED)
+                if sender.done():  # its side failed (deliver returns on its own only after the end)
+                    read.cancel()
+                    sender.result()
+                    return
+                if not (data := read.result()):
+                    break
+                queue.put_nowait((self._arrival(direction, len(data)), data))
             queue.put_nowait((time.monotonic(), None))
             await sender
         finally:

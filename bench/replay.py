@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -141,9 +142,9 @@ def render(result: dict) -> str:
 
 def _shown(path: Path) -> str:
     """A path as the report shows it: relative to the repository when inside it, else as given
-    (the rerun line must run)."""
+    (absolute, quoted: the rerun line must run from the repository's root)."""
     full = path.resolve()
-    return str(full.relative_to(HERE.parent)) if full.is_relative_to(HERE.parent) else str(path)
+    return str(full.relative_to(HERE.parent)) if full.is_relative_to(HERE.parent) else shlex.quote(str(full))
 
 
 def _result(path: Path, keys: tuple[str, ...], what: str) -> dict:
@@ -180,7 +181,10 @@ def main() -> None:
 
     try:
         bench = _result(args.bench, ("network", "runs", "machine"), "a bench/run_bench.py result")
-        costs = pass_costs(_result(args.pass_costs, ("archs",), "a bench/gpu_passes.py result"))
+        passes = _result(args.pass_costs, ("archs",), "a bench/gpu_passes.py result")
+        if not isinstance(passes["archs"], dict) or len(passes["archs"]) != 1:
+            raise ValueError(f"{args.pass_costs} holds {len(passes['archs'])} targets' pass times: give one of one")
+        costs = pass_costs(passes)
     except ValueError as exc:
         p.error(str(exc))
     rtt = args.rtt_ms if args.rtt_ms is not None else bench["network"]["rtt_ms"][0]
@@ -214,7 +218,8 @@ def main() -> None:
             "rerun": f"python bench/replay.py --bench {_shown(args.bench)} --pass-costs {_shown(args.pass_costs)} "
                      f"--sync-k {' '.join(map(str, args.sync_k))}" + (f" --rtt-ms {rtt:g}" if args.rtt_ms is not None else "")
                      + (f" --name {args.name}" if args.name != default_name else "")
-                     + (f" --out {_shown(args.out)}" if args.out.resolve() != (HERE / "results").resolve() else ""),
+                     + (f" --out {_shown(args.out)}" if args.out.resolve() != (HERE / "results").resolve() else "")
+                     + (f" --draft {_shown(args.draft)}" if args.draft else ""),
         },
         "agreement": {k: "".join("1" if x else "0" for x in a) for k, a in agreements.items()},
         "measured": measured_speedups(bench["runs"], rtt),

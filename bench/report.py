@@ -128,7 +128,7 @@ def render_markdown(result: dict) -> str:
         f"- models: target {result['models']['target']} served in {result['models']['target_dtype']}; "
         f"draft {result['models']['draft']} (ONNX, {result['models']['draft_quantization']})",
         f"- network: {result['network']['how']}; RTT {', '.join(f'{r:g}' for r in result['network']['rtt_ms'])} ms; "
-        f"bandwidth cap {str(result['network']['rate_mbit']) + ' Mbit/s each way' if result['network']['rate_mbit'] else 'none'}",
+        f"bandwidth cap {format(result['network']['rate_mbit'], 'g') + ' Mbit/s each way' if result['network']['rate_mbit'] else 'none'}",
         f"- greedy, {s['max_new_tokens']} new tokens, prompts: {', '.join(s['prompts'])}; async window {s['window']}; "
         f"server args: `{s['server_args'] or 'defaults'}`",
         f"- wall time of the run: {result['wall_s'] / 60:.1f} min"

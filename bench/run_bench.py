@@ -78,6 +78,11 @@ def async_window(window: str) -> list[str]:
     return ["--no-adaptive-window", "--window", window]
 
 
+# Set by the benchmark itself: given again in --server-args, they would break the run or make
+# its header describe another server.
+OWN_SERVE_OPTIONS = ("--target", "--port", "--host", "--dtype", "--threads", "-h", "--help")
+
+
 def _serve_args_problem(server_args: list[str]) -> str | None:
     """What `specsplit-server serve` would refuse in `server_args`, said before anything is
     measured (the server starts only after the anchors have run)."""
@@ -86,12 +91,15 @@ def _serve_args_problem(server_args: list[str]) -> str | None:
 
     from specsplit.server.cli import build_parser
 
+    if own := [a for a in server_args if a.split("=", 1)[0] in OWN_SERVE_OPTIONS]:
+        return f"{own[0].split('=', 1)[0]} is the benchmark's to set"
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             build_parser().parse_args(["serve", "--target", "t", *server_args])
     except SystemExit:
-        return err.getvalue().strip().splitlines()[-1].split("error: ", 1)[-1]
+        said = err.getvalue().strip().splitlines()
+        return said[-1].split("error: ", 1)[-1] if said else "serve refuses them"
     return None
 
 
@@ -124,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts: there are {len(all_prompts)} prompts, not {args.prompts}")
     if problem := _serve_args_problem(args.server_args):
         p.error(f"--server-args: {problem}")
+    args.rtt_ms = list(dict.fromkeys(args.rtt_ms))  # an RTT given twice is one group of runs
     async_args = async_window(args.window)
 
     server_cores, edge_cores = server_and_edge_cores()
@@ -181,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             record(mode, None, pr["id"], r)
 
     server_log = Path(args.out) / f"{args.name}-server.log"
+    server_started = False  # (a log from an earlier run may lie there until then)
     try:
         weights = DraftExportMeta.load(pair.draft_dir).quantization
         anchor("draft", f"draft alone (ONNX {weights}, one core, one thread)", "draft_alone.py",
@@ -190,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                server_cores)
 
         if groups:
+            server_started = True
             with running_server(str(pair.target_dir), server_cores, extra=args.server_args,
                                 log_path=server_log) as (addr, _):
                 for rtt in args.rtt_ms:
@@ -213,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {len(log.done)} runs kept in {log.path}; the same command with --resume measures "
               "the rest", file=sys.stderr)
         return 130
-    except RuntimeError as exc:  # a script or an edge failed, or the server did not come up
+    except (RuntimeError, TimeoutError) as exc:  # a script or an edge failed, the server did not come up
         progress.close()
-        print(f"error: {exc} (the server's log, if it started: {server_log}; the runs measured are kept: "
-              "--resume)", file=sys.stderr)
+        where = f"; the server's log: {server_log}" if server_started else ""
+        print(f"error: {exc}{where} (the runs measured are kept: --resume)", file=sys.stderr)
         return 1
     progress.close()
     log.save(complete=True)

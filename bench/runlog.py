@@ -24,6 +24,9 @@ def run_key(run: dict) -> RunKey:
     return run["mode"], run["rtt_ms"], run["prompt"]
 
 
+MACHINE_KEYS = ("cpu", "cores", "machine", "native_bf16")
+
+
 class RunLog:
     """The runs measured so far and the settings they were measured under."""
 
@@ -40,12 +43,17 @@ class RunLog:
                 previous = None
             if not isinstance(previous, dict) or not isinstance(previous.get("runs"), list):
                 raise SettingsMismatch(f"{path} is not a benchmark result to resume: rerun without --resume")
-            # The machine too: runs measured on two machines would stand under one machine's line.
-            for field in ("settings", "network", "models", "machine"):
+            for field in ("settings", "network", "models"):
                 if previous.get(field) != header.get(field):
                     raise SettingsMismatch(
                         f"{path} was measured with other {field} ({previous.get(field)!r}, now {header.get(field)!r}):"
                         " rerun without --resume, or with the same options")
+            # The machine too (its hardware, not its Python): runs measured on two machines
+            # would stand under one machine's line.
+            was, now = ({k: m.get(k) for k in MACHINE_KEYS} for m in (previous.get("machine") or {}, header["machine"]))
+            if was != now:
+                raise SettingsMismatch(f"{path} was measured on another machine ({was!r}, this one {now!r}): "
+                                       "give this run a --name of its own")
             self.result.update(date=previous["date"], invocations=previous.get("invocations", []),
                                runs=previous["runs"])
         self.result["invocations"].append({"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),

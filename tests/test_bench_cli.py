@@ -116,6 +116,8 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     # Found only when the server started, after the anchors had run for minutes.
     (["--name", "x", "--server-args=--bogus-flag"], "--server-args: unrecognized arguments: --bogus-flag"),
     (["--name", "x", "--server-args=--max-wait-ms soon"], "--server-args: argument --max-wait-ms"),
+    (["--name", "x", "--server-args=--help"], "--help is the benchmark's to set"),  # a traceback: help went to stdout
+    (["--name", "x", "--server-args=--port 5"], "--port is the benchmark's to set"),
 ])
 def test_the_benchmark_refuses_settings_before_it_prepares_models(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -70,6 +70,8 @@ def test_resume_under_other_settings_is_refused(tmp_path):
     other = {**HEADER, "settings": {**HEADER["settings"], "max_new_tokens": 8}}
     with pytest.raises(SettingsMismatch, match="max_new_tokens"):
         _log(path, resume=True, header=other)
+    newer_python = {**HEADER, "machine": {**HEADER["machine"], "python": "3.99"}}
+    _log(path, resume=True, header=newer_python)  # the same machine, its Python upgraded
 
 
 def test_resume_refuses_what_it_cannot_add_to(tmp_path):
@@ -82,6 +84,8 @@ def test_resume_refuses_what_it_cannot_add_to(tmp_path):
     other = {**HEADER, "machine": {**HEADER["machine"], "cpu": "another cpu"}}
     with pytest.raises(SettingsMismatch, match="other machine"):  # one machine's line over two machines' runs
         _log(path, resume=True, header=other)
+    newer_python = {**HEADER, "machine": {**HEADER["machine"], "python": "3.99"}}
+    _log(path, resume=True, header=newer_python)  # the same machine, its Python upgraded
 
 
 def test_the_report_orders_any_sync_k_and_gives_the_cap_its_unit(tmp_path):
@@ -91,4 +95,4 @@ def test_the_report_orders_any_sync_k_and_gives_the_cap_its_unit(tmp_path):
     for mode in ("async", "sync-3", "sync-12", "none"):
         log.add(_run(mode, "a", 1.0, [1]))
     assert [s["mode"] for s in log.result["summary"]] == ["none", "sync-3", "sync-12", "async"]
-    assert "bandwidth cap 10.0 Mbit/s each way" in path.with_suffix(".md").read_text()
+    assert "bandwidth cap 10 Mbit/s each way" in path.with_suffix(".md").read_text()

@@ -4,6 +4,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
+import netem_proxy
 from netem_proxy import LinkConfig, NetemProxy
 
 
@@ -101,3 +104,20 @@ def test_a_half_close_delivers_everything_sent_before_it() -> None:
         server.close()
 
     asyncio.run(main())
+
+
+def test_chunks_are_booked_on_the_shared_link_as_they_are_read(monkeypatch) -> None:
+    """Each chunk's arrival is fixed when it is read: its direction's link sends what it holds
+    first (every connection's), then this chunk, and the delay follows. Booked only once the
+    connection's previous chunk had been delivered, a chunk could land behind another
+    connection's later one, a whole delay late."""
+    now = [0.0]
+    monkeypatch.setattr(netem_proxy.time, "monotonic", lambda: now[0])
+    proxy = NetemProxy("127.0.0.1", 1, LinkConfig(delay_s=0.2, rate_bps=8e6))  # 1000 bytes: 1 ms
+    assert proxy._arrival("up", 1000) == pytest.approx(0.201)
+    assert proxy._arrival("up", 1000) == pytest.approx(0.202)  # another connection's, behind it on the link
+    assert proxy._arrival("down", 1000) == pytest.approx(0.201)  # the other direction is its own link
+    now[0] = 0.5
+    assert proxy._arrival("up", 1000) == pytest.approx(0.701)  # an idle link sends at once
+    free = NetemProxy("127.0.0.1", 1, LinkConfig(delay_s=0.2))  # no cap: the delay alone, whatever else is sent
+    assert free._arrival("up", 10**9) == free._arrival("up", 1) == pytest.approx(0.7)
