@@ -9,6 +9,12 @@ from specsplit.common.acceptance import observed_acceptance
 MODE_ORDER = ["none", "sync", "async-no-branches", "async", "draft", "hf-assisted"]  # sync-K by K within sync
 
 
+# Columns without meaning for the draft alone and HF assisted generation.
+ANCHOR_BLANKS = ("itl_p50_ms", "itl_p99_ms", "acceptance_rate", "acceptance_per_position", "mean_accepted",
+                 "drafts_wasted", "verifications", "server_idle_fraction", "bytes_up_per_token",
+                 "bytes_down_per_token")
+
+
 def _mode_rank(mode: str) -> tuple[int, int]:
     kind, _, k = mode.partition("-")
     if kind == "sync" and k.isdigit():
@@ -137,20 +143,27 @@ def render_markdown(result: dict) -> str:
             f"- **incomplete**: {len(result['runs'])} runs measured so far; the missing ones are measured by the same "
             "command with `--resume`"]),
         "",
-        "Means over the prompt set; speedup is the mean of per-prompt ratios to `none` at the same RTT. "
-        "ITL is the gap between consecutive committed tokens (0 within one verdict).",
+        "Means over the prompt set; speedup is the mean of per-prompt ratios to `none` at the same RTT (for "
+        "the draft alone and HF assisted generation, which use no network, at the first RTT measured). ITL is "
+        "the gap between consecutive committed tokens (0 within one verdict). Per position: accepted drafts "
+        "over accepted drafts and rejections; wasted: drafted tokens thrown away by rollbacks; verifs: "
+        "verdicts; server idle: the share of the generation's time the target did not work for it; B up/down: "
+        "bytes on the wire per generated token; identical: the output equals `none`'s. – where a figure does "
+        "not apply (the draft alone and HF assisted generation have no server and no verdicts).",
         "",
         "| RTT ms | mode | prompts | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | per position | accepted/verif | wasted | verifs "
         "| server idle | B up/tok | B down/tok | identical |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["summary"]:
+        if r["rtt_ms"] is None:  # no server, no network, no verdicts: their zeros would read as measured
+            r = {**r, **{k: None for k in ANCHOR_BLANKS}}
         lines.append(
             f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {r['prompts']} | {_fmt(r['tokens_per_s'])} "
             f"| {_fmt(r['speedup_vs_none'])}{'x' if r['speedup_vs_none'] is not None else ''} | {_fmt(r['ttft_ms'], '.0f')} "
             f"| {_fmt(r['itl_p50_ms'], '.0f')}/{_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['acceptance_rate'], '.0%')} "
             f"| {_fmt(r.get('acceptance_per_position'), '.0%')} "
-            f"| {_fmt(r['mean_accepted'])} | {r['drafts_wasted']} | {r['verifications']} "
+            f"| {_fmt(r['mean_accepted'])} | {_fmt(r['drafts_wasted'], 'd')} | {_fmt(r['verifications'], 'd')} "
             f"| {_fmt(r['server_idle_fraction'], '.0%')} | {_fmt(r['bytes_up_per_token'], '.1f')} "
             f"| {_fmt(r['bytes_down_per_token'], '.1f')} | {_fmt(r['identical'])} |"
         )

@@ -95,4 +95,8 @@ def test_the_report_orders_any_sync_k_and_gives_the_cap_its_unit(tmp_path):
     for mode in ("async", "sync-3", "sync-12", "none"):
         log.add(_run(mode, "a", 1.0, [1]))
     assert [s["mode"] for s in log.result["summary"]] == ["none", "sync-3", "sync-12", "async"]
-    assert "bandwidth cap 10 Mbit/s each way" in path.with_suffix(".md").read_text()
+    log.add({**_run("draft", "a", 9.0, [2]), "rtt_ms": None, "drafts_wasted": 0, "server_idle_fraction": 0.0})
+    md = path.with_suffix(".md").read_text()
+    assert "bandwidth cap 10 Mbit/s each way" in md
+    draft_row = next(line for line in md.splitlines() if line.startswith("| n/a | draft |"))
+    assert draft_row.endswith("| –/– | – | – | – | – | – | – | – | – | – |")  # no 0% for what it has not
