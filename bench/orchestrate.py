@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cli_types import START_CORES, check_cores
 
@@ -58,6 +57,10 @@ def server_and_edge_cores() -> tuple[list[int] | None, list[int] | None]:
 
 
 def wait_healthy(address: str, proc: subprocess.Popen, timeout: float) -> None:
+    # Here, not at the top: a load generator for a server it did not start imports this
+    # module, and needs no health stubs (the edge package does not bring them).
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)

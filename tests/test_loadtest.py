@@ -7,9 +7,12 @@ import http.server
 import json
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -465,3 +468,31 @@ def test_an_interrupted_sweep_reports_the_points_that_finished(running, monkeypa
                               log=lambda _: None)
     assert report["stopped"] == INTERRUPTED and [p["sessions"] for p in report["results"]["none"]] == [1]
     assert "sim" not in report["results"] and report["summary"]["split_sessions_at_slo"] is None
+
+
+LIGHT_LOAD_GENERATOR = """
+import importlib.abc, runpy, sys
+HEAVY = ('torch', 'transformers', 'psutil', 'prometheus_client', 'grpc_health')
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in HEAVY:
+            raise ImportError(f'{name} is not installed on this load generator')
+sys.meta_path.insert(0, Block())
+sys.argv = ['bench/loadtest/run.py', *sys.argv[1:]]
+runpy.run_path('bench/loadtest/run.py', run_name='__main__')
+"""
+
+
+def test_a_load_generator_for_a_running_server_needs_only_the_edge_packages(tiny, server, tmp_path) -> None:
+    """A site's load generator is another machine, often a small one: with --server it imports
+    neither torch nor transformers (nor the server's metrics and health libraries, without
+    --metrics-url), and real ONNX edges run on it as on a device."""
+    proc = subprocess.run(
+        [sys.executable, "-c", LIGHT_LOAD_GENERATOR, "--server", server, "--draft", str(tiny.draft_dir),
+         "--modes", "none,sim,onnx", "--sessions", "1", "--generations", "1", "--max-new-tokens", "8", "--slo", "0",
+         "--out-dir", str(tmp_path), "--name", "light"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "light.json").read_text())
+    assert report["summary"]["errors"]["total"] == 0 and report["summary"]["mismatched_outputs"] == 0
+    assert [len(report["results"][m]) for m in ("none", "sim", "onnx")] == [1, 1, 1]

@@ -13,7 +13,7 @@ import grpc
 
 from loadtest.endpoint import ServerEndpoint
 from loadtest.machine import machine_info
-from loadtest.models import choose_models, describe_draft
+from loadtest.drafts import describe_draft
 from loadtest.point import ServerHandle
 from loadtest.prompts import PromptSet, load_prompts
 from loadtest.report import build_report
@@ -24,7 +24,6 @@ from loadtest.workers import ClientWorkers
 from orchestrate import free_port, running_server
 from specsplit.edge.client import StreamEnded, StreamStalled
 from specsplit.protocol.messages import Opened
-from specsplit.server.loading import resolve_dtype
 
 LOG_TAIL = 3000  # characters of the server log shown when a run fails
 
@@ -89,6 +88,10 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
         with attached(opts, cfg, log) as running:
             yield running
         return
+    # Here: a load generator for a server it did not start needs neither torch nor transformers.
+    from loadtest.models import choose_models
+    from specsplit.server.loading import resolve_dtype
+
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
         log("preparing models ...")
         models = choose_models(Path(tmp), opts.target, opts.target_config, opts.draft, "onnx" in cfg.modes)

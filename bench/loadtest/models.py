@@ -6,8 +6,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.drafts import describe_draft
 from loadtest.targets import describe_target, write_config_target, without_eos
-from specsplit.common.export_meta import DraftExportMeta
 from tiny_models import build_tiny_pair
 
 
@@ -25,12 +25,6 @@ class Models:
         if self.draft_dir is not None:
             out["draft"] = describe_draft(self.draft_dir, self.draft_name)
         return out
-
-
-def describe_draft(draft_dir: Path, name: str) -> dict:
-    """What a report says of the onnx edges' draft."""
-    meta = DraftExportMeta.load(draft_dir)
-    return {"name": name, "num_layers": meta.num_layers, "vocab_size": meta.vocab_size, "quantization": meta.weights}
 
 
 def choose_models(work: Path, target: Path | None, target_config: str | None, draft: Path | None,

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import psutil
-
 from loadtest.endpoint import ServerEndpoint
 from loadtest.scrape import UNREADABLE, Snapshot, scrape, value
 from loadtest.sessions import LoadRun, LoadSpec, run_sessions
@@ -47,7 +45,11 @@ def _higher(peak: float | None, seen: float | None) -> float | None:
 
 
 async def _sample(server: ServerHandle, peaks: Peaks, stop: asyncio.Event) -> None:
-    proc = psutil.Process(server.pid) if server.pid is not None else None
+    proc = None
+    if server.pid is not None:  # a server this load test started (one elsewhere has no pid here)
+        import psutil
+
+        proc = psutil.Process(server.pid)
     while not stop.is_set():
         if server.metrics_url:
             snap = await asyncio.to_thread(server.snapshot)

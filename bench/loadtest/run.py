@@ -42,7 +42,7 @@ from loadtest.report import write_report  # noqa: E402
 from loadtest.rerun import rerun_command  # noqa: E402
 from loadtest.sessions import LoadSettings  # noqa: E402
 from loadtest.sweep import INTERRUPTED, MODES, SweepConfig  # noqa: E402
-from loadtest.targets import ARCHS  # noqa: E402
+from loadtest.shapes import ARCHS  # noqa: E402
 from orchestrate import server_and_edge_cores  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

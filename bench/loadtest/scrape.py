@@ -4,8 +4,6 @@ from __future__ import annotations
 import http.client
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
 # What a failed read raises: unreachable or timed out, not HTTP, not Prometheus' text format.
 UNREADABLE = (OSError, ValueError, http.client.HTTPException)
 # (sample name, sorted label pairs) -> value
@@ -13,6 +11,9 @@ Snapshot = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def scrape(url: str, timeout: float = 5.0) -> Snapshot:
+    # Here: only a run that reads metrics needs prometheus-client on the load generator.
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         text = resp.read().decode()
     return {
