@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -30,6 +32,7 @@ from runlog import RunLog, SettingsMismatch
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.server import models
+from specsplit.server.cli import build_parser
 from specsplit.server.loading import resolve_dtype
 
 HERE = Path(__file__).resolve().parent
@@ -86,11 +89,6 @@ OWN_SERVE_OPTIONS = ("--target", "--port", "--host", "--dtype", "--threads", "-h
 def _serve_args_problem(server_args: list[str]) -> str | None:
     """What `specsplit-server serve` would refuse in `server_args`, said before anything is
     measured (the server starts only after the anchors have run)."""
-    import contextlib
-    import io
-
-    from specsplit.server.cli import build_parser
-
     if own := [a for a in server_args if a.split("=", 1)[0] in OWN_SERVE_OPTIONS]:
         return f"{own[0].split('=', 1)[0]} is the benchmark's to set"
     err = io.StringIO()

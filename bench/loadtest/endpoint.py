@@ -39,7 +39,7 @@ class ServerEndpoint:
         """ValueError naming the option (--tls-ca, ..., $SPECSPLIT_TOKEN) for settings no
         call could use: files that are missing or not PEM, a certificate without its key,
         a token gRPC cannot carry."""
-        client_credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        _credentials(self.tls_ca, self.tls_cert, self.tls_key)
         try:
             self.connect_options()
         except ValueError as exc:

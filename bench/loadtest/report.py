@@ -122,14 +122,20 @@ def _describe_models(models: dict) -> list[str]:
     return lines
 
 
-def _server_pinning(pin: dict) -> str:
-    if "server_cores" not in pin:
+def _attached(report: dict) -> bool:
+    """Whether the run loaded a server it did not start (`run.py --server`)."""
+    return "server" in report
+
+
+def _server_pinning(report: dict) -> str:
+    if _attached(report):
         return "server not started by the load test"
+    pin = report["pinning"]
     return f"server on cores {pin['server_cores'] or 'any'} ({pin['server_threads']} torch thread(s))"
 
 
 def _describe_server(report: dict) -> str:
-    if "server_args" in report:
+    if not _attached(report):
         return f"- server arguments: `{' '.join(report['server_args'])}`"
     server = report["server"]
     figures = ("" if server["metrics"] == "read" else
@@ -154,8 +160,8 @@ def render_markdown(report: dict, name: str) -> str:
     lines = [
         f"# gRPC load test: {name}",
         "",
-        f"- {'machine' if 'server_cores' in pin else 'load generator'}: {m['cpu']}, {m['cores']} cores ({m['arch']}){gpu}",
-        f"- pinning: {_server_pinning(pin)}; load generator on cores {pin['client_cores'] or 'any'} ({procs})",
+        f"- {'load generator' if _attached(report) else 'machine'}: {m['cpu']}, {m['cores']} cores ({m['arch']}){gpu}",
+        f"- pinning: {_server_pinning(report)}; load generator on cores {pin['client_cores'] or 'any'} ({procs})",
         *_describe_models(report["models"]),
         _describe_server(report),
         f"- network: {report['network']}",

@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def metrics_url(text: str) -> str:
-    if urlparse(text).scheme not in ("http", "https") or not urlparse(text).netloc:
+    url = urlparse(text)
+    if url.scheme not in ("http", "https") or not url.netloc:
         raise argparse.ArgumentTypeError(f"give an http:// or https:// URL, got {text!r}")
     return text
 

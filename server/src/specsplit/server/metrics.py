@@ -12,11 +12,22 @@ from prometheus_client import (
     start_http_server,
 )
 
+from specsplit.protocol import errors
+from specsplit.protocol.messages import DoneReason
+
 # Label values known in advance start at 0, so that rate() and absence alerts see a series
 # from the start rather than none until the first event.
-ERROR_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "OUT_OF_RANGE", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
-               "DEADLINE_EXCEEDED", "INTERNAL", "UNAUTHENTICATED", "PERMISSION_DENIED")
-END_REASONS = ("eos", "stop", "length", "context", "cancelled", "disconnected", "stalled", "shutdown", "error")
+
+
+def _statuses(cls: type[errors.ProtocolError]) -> set[str]:
+    return {cls.status}.union(*(_statuses(sub) for sub in cls.__subclasses__()))
+
+
+# The statuses the server ends calls with: the protocol's errors', the token check's, and a
+# failed verification's.
+ERROR_CODES = tuple(sorted(_statuses(errors.ProtocolError) | {"UNAUTHENTICATED", "PERMISSION_DENIED", "INTERNAL"}))
+# How sessions end: as their Done says, or without one (service.py).
+END_REASONS = (*(r.name.lower() for r in DoneReason), "disconnected", "stalled", "shutdown", "error")
 REFUSALS = ("full", "draining")
 IDLE_ENDS = ("timeout", "limit")
 
