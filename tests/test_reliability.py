@@ -172,6 +172,17 @@ def test_metrics_show_the_limit_the_refusals_and_the_process(tiny, limited) -> N
     address, metrics, _ = limited
     text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
     assert metric(metrics, "specsplit_sessions_limit") == 2
+    # An oversized Open: counted, and the client told its size (gRPC's own limit ended the
+    # call unseen, and the server counted and logged a half-close before Open instead).
+    too_large = metric(metrics, 'specsplit_errors_total{code="RESOURCE_EXHAUSTED"}')
+    precondition = metric(metrics, 'specsplit_errors_total{code="FAILED_PRECONDITION"}')
+    with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError) as refused_open:
+        list(ch.stream_stream(METHOD)(iter([open_msg([1] * 1_100_000)]), timeout=20))
+    code, details = refused_open.value.code(), refused_open.value.details()
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert re.fullmatch(r"message of 11000\d\d bytes exceeds this server's limit of 1048576 bytes", details), details
+    assert metric(metrics, 'specsplit_errors_total{code="RESOURCE_EXHAUSTED"}') == too_large + 1
+    assert metric(metrics, 'specsplit_errors_total{code="FAILED_PRECONDITION"}') == precondition
     for series in ('specsplit_errors_total{code="UNAUTHENTICATED"}', 'specsplit_sessions_ended_total{reason="stalled"}',
                    'specsplit_sessions_refused_total{reason="draining"}', "process_resident_memory_bytes",
                    "process_cpu_seconds_total"):

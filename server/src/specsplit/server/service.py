@@ -27,6 +27,7 @@ from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.pace import PaceLog
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
+from specsplit.server.serve_checks import MAX_MESSAGE_BYTES
 from specsplit.server.sources import served_name
 from specsplit.v1 import specsplit_pb2 as pb
 
@@ -114,6 +115,9 @@ class SpecSplitService:
         pace: PaceLog | None = None  # the device's, carried from one generation on the stream to the next
         try:
             async for raw in requests:
+                if len(raw) > self.cfg.max_message_bytes:
+                    raise errors.MessageTooLarge(f"message of {len(raw)} bytes exceeds this server's limit of "
+                                                 f"{self.cfg.max_message_bytes} bytes")
                 try:
                     msg = pb.EdgeMessage.FromString(raw)
                 except DecodeError:
@@ -276,7 +280,10 @@ async def serve(
     worker = VerificationWorker(engine, sched, metrics)
     limits = server_limits(engine, cfg)
     options = [
-        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        # gRPC's own limit ends a call silently for the handler (its stream just ends, as at a
+        # half-close), so the server would blame the wrong cause: up to twice the limit a
+        # message reaches _read, which refuses it with its size, counted and logged.
+        ("grpc.max_receive_message_length", min(2 * cfg.max_message_bytes, MAX_MESSAGE_BYTES)),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.keepalive_time_ms", int(cfg.keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),

@@ -86,6 +86,10 @@ class ServerDraining(ProtocolError):
     status = "UNAVAILABLE"
 
 
+class MessageTooLarge(ProtocolError):
+    status = "RESOURCE_EXHAUSTED"
+
+
 class MalformedMessage(ProtocolError):
     """Bytes that do not parse as an EdgeMessage."""
 
