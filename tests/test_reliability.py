@@ -420,12 +420,14 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
     log = tmp_path / "s.log"
     with launch_server(tiny.target_dir, log, "--log-format", "json") as (address, _):
         raw_stream(address, [open_msg(PROMPT, max_new=3)])
+        raw_stream(address, [open_msg(PROMPT, max_new=5, committed_ids=[9, 10])])  # a resumed generation
     text = log.read_text()
     lines = [_json.loads(l) for l in text.splitlines() if l.startswith("{")]
     done = [l for l in lines if "done" in l["msg"]]
     assert done and done[0]["session"] and done[0]["level"] == "info"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", done[0]["ts"])  # ms, UTC
     assert re.search(r": [1-3] new tokens$", done[0]["msg"])  # not the prompt's tokens too
+    assert re.search(r": [1-3] new tokens \(resumed after 2\)$", done[1]["msg"])  # not the resumed ones either
     assert "Loading weights" not in text  # transformers' progress bar is no JSON line
 
 

@@ -163,7 +163,7 @@ class SpecSplitService:
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
         reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
         session: str | None = None  # the open session's id, from its Opened to its Done
-        prompt_len = 0  # the open session's, so that its log lines count the tokens it generated
+        opened_len = resumed = 0  # the open session's, so that its log lines count the tokens it generated
         half_closed = False
         reason = "disconnected"
         try:
@@ -205,7 +205,8 @@ class SpecSplitService:
                     await context.abort(grpc.StatusCode.INTERNAL, f"{errors.VERIFICATION_FAILED}: {item}")
                 if isinstance(item, Opened):
                     session = item.session_id
-                    prompt_len = conn.session.prompt_len if conn.session is not None else 0
+                    if conn.session is not None:
+                        opened_len, resumed = conn.session.floor, conn.session.floor - conn.session.prompt_len
                     self.metrics.sessions_active.inc()
                 elif isinstance(item, Verdict):
                     self.metrics.tokens_committed.inc(len(item.tokens))
@@ -213,8 +214,8 @@ class SpecSplitService:
                     self.metrics.drafts_accepted.inc(item.accepted)
                 yield codec.server_to_pb(item)
                 if isinstance(item, Done):
-                    log.info("session %s: done (%s): %d new tokens", session, item.reason.name.lower(),
-                             item.committed_length - prompt_len, extra={"session": session})
+                    log.info("session %s: done (%s): %s", session, item.reason.name.lower(),
+                             _new_tokens(item.committed_length - opened_len, resumed), extra={"session": session})
                     self._ended(item.reason.name.lower())
                     session = None
                     if half_closed:
@@ -236,8 +237,8 @@ class SpecSplitService:
                     reason = "shutdown"  # ended by the drain, which has logged it
                 elif reason in ("disconnected", "stalled") and conn.session is not None:  # (errors are logged)
                     why = "the edge went away" if reason == "disconnected" else "the edge stopped reading"
-                    log.info("session %s from %s: ended (%s) after %d new tokens", session, peer, why,
-                             conn.session.committed_len - conn.session.prompt_len, extra={"session": session})
+                    log.info("session %s from %s: ended (%s) after %s", session, peer, why,
+                             _new_tokens(conn.session.committed_len - opened_len, resumed), extra={"session": session})
                 self._ended(reason)
 
     def _client_failed(self, peer: str, status: str, what: str, session: str | None = None) -> None:
@@ -256,6 +257,12 @@ class SpecSplitService:
     def _ended(self, reason: str) -> None:
         self.metrics.sessions_active.dec()
         self.metrics.sessions_ended.labels(reason).inc()
+
+
+def _new_tokens(generated: int, resumed: int) -> str:
+    """What a session's log line counts: the tokens this server generated, apart from those a
+    resumed session brought with it (which its max_new_tokens counts too)."""
+    return f"{generated} new tokens" + (f" (resumed after {resumed})" if resumed else "")
 
 
 def _generic_handler(service: SpecSplitService) -> grpc.GenericRpcHandler:
