@@ -1,6 +1,6 @@
 """Generate the Python gRPC stubs for proto/specsplit/v1 into the shared package.
 
-Run with `make proto`. tests/test_proto_stubs.py regenerates into a temporary
+Run with `make proto`. tests/test_packaging.py regenerates into a temporary
 directory and fails if the committed stubs differ, so edit the .proto, then run this.
 """
 from __future__ import annotations
