@@ -68,6 +68,17 @@ def test_greedy_output_equals_target_generate(tiny, server, mode, draft) -> None
     assert endings == {"eos", "length"}, endings
 
 
+def test_sync_k_past_the_servers_limits_drafts_what_it_takes(tiny, server, caplog) -> None:
+    """k over the chunk limit (64) failed every generation with RESOURCE_EXHAUSTED, and over
+    the server's lookahead with OUT_OF_RANGE; now a round drafts what the server takes."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("def add(a, b):")
+    result = run(server, ids, EdgeConfig(mode="sync", k=200, max_new_tokens=80), tiny.same_dir)
+    assert result.tokens == reference(str(tiny.target_dir), ids, 80)
+    assert result.stats.drafts_proposed <= 32 * result.stats.verifications  # the test server's lookahead
+    assert "k 200 is past what the server takes at once; drafting 32 per round" in caplog.text
+
+
 def test_chat_template_and_stop_ids(tiny, server) -> None:
     tok = EdgeTokenizer(tiny.draft_dir)
     ids = tok.encode(tok.chat_prompt("hello"))
@@ -184,7 +195,7 @@ def test_edge_cli_streams_text_and_stats(tiny, server) -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].startswith("[sync] 10 tokens")
+    assert proc.stderr.strip().splitlines()[-1].startswith("[sync] 10 tokens")  # beside the text, not in it
 
 
 def test_edge_cli_generates_each_line_of_its_input_on_one_stream(tiny, server) -> None:
@@ -242,3 +253,22 @@ def test_edge_cli_stops_quietly_when_its_reader_goes(tiny, server) -> None:
     finally:
         os.close(write)
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.parametrize(("stdout", "env", "says"), [
+    ("/dev/full", {}, "No space left on device"),  # a full disk
+    (None, {"PYTHONIOENCODING": "ascii"}, "codec can't encode"),  # an encoding without the text's characters
+])
+def test_edge_cli_says_in_one_line_when_its_answer_cannot_be_written(tiny, server, tmp_path, stdout, env, says) -> None:
+    """Not a traceback: one line, exit 1, and no second failure as the interpreter exits."""
+    if stdout is not None and not os.path.exists(stdout):
+        pytest.skip(f"{stdout} is not on this system")
+    with open(stdout or tmp_path / "out.txt", "w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
+             "--max-new-tokens", "8", "--raw", "héllo ünïcode"],
+            stdout=out, stderr=subprocess.PIPE, text=True, timeout=120, env={**os.environ, **env},
+        )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: writing the answer to standard output failed:") and says in lines[0]

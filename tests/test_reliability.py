@@ -337,6 +337,13 @@ def test_edge_resumes_on_another_server_when_its_server_dies(tiny, server, tmp_p
     assert result.tokens == want
     assert result.stats.reconnects >= 1
     assert all(b >= a for a, b in zip(seen, seen[1:])), "committed tokens went backwards"
+    # The stats are the whole generation's, not the last attempt's: every token has its commit
+    # time, from the first attempt's start, and the verifications before the kill count.
+    stats = result.stats
+    assert len(result.commit_times) == len(result.tokens) == stats.tokens
+    assert result.commit_times == sorted(result.commit_times) and stats.ttft_s == result.commit_times[0]
+    assert stats.elapsed_s >= result.commit_times[-1]
+    assert stats.verifications >= len(set(result.commit_times)) and stats.drafts_made >= stats.drafts_proposed > 0
 
 
 def test_a_kept_stream_fails_over_and_stays_on_the_server_that_took_it(tiny, server, tmp_path) -> None:

@@ -198,13 +198,17 @@ def _report(result: GenerationResult, tokenizer: EdgeTokenizer, args: argparse.N
     if stats_file is not None:
         stats_file.write(json.dumps({**record, "commit_times": result.commit_times, "timeline": result.timeline}) + "\n")
         stats_file.flush()
-    if args.json:
-        print(json.dumps(record), flush=True)
-    else:
-        if shown is not None and final.startswith(shown.printed):
-            sys.stdout.write(final[len(shown.printed) :])
-        print()
-        print(result.stats.line(), flush=True)
+    try:
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            if shown is not None and final.startswith(shown.printed):
+                sys.stdout.write(final[len(shown.printed) :])
+            print(flush=True)
+    except (OSError, UnicodeEncodeError) as exc:
+        raise StdoutFailed() from exc
+    if not args.json:  # beside the text, not in it: `generate ... > answer.txt` keeps the answer alone
+        print(result.stats.line(), file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async: draft ahead as far as the acceptance seen so far makes worthwhile (two expected "
                    "runs of accepted drafts, at least 4, at most --window); --no-adaptive-window drafts --window "
                    "ahead always")
-    g.add_argument("--k", type=int, default=4, help="sync: drafts per round")
+    g.add_argument("--k", type=int, default=4, help="sync: drafts per round (at most the server's lookahead and 64: more are drafted as that many)")
     g.add_argument("--branch-tokens", type=int, default=EdgeConfig.branch_tokens,
                    help="async, greedy: beside its drafts, draft branches of up to this many tokens from the "
                    f"drafter's runner-up where rejections are likeliest (if that chance is at least {MIN_CHANCE}), "
@@ -336,12 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     logger.addHandler(log_handler)
     try:
         return asyncio.run(_generate(args, log_handler, prompts))
-    except OnCommitFailed as exc:
-        if isinstance(exc.__cause__, BrokenPipeError):
-            return _stdout_closed()
+    except (OnCommitFailed, StdoutFailed) as exc:  # OnCommitFailed: the streamed text's writer raised
+        if isinstance(exc.__cause__, (OSError, UnicodeEncodeError)):
+            return _stdout_failed(exc.__cause__)
         raise
-    except BrokenPipeError:  # stdout closed by its reader (`| head`) while the stats were printed
-        return _stdout_closed()
+    except BrokenPipeError:  # the stats line's reader has gone (`2>&1 | head`)
+        return _stdout_failed(BrokenPipeError())
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -357,11 +361,19 @@ def main(argv: list[str] | None = None) -> int:
         logger.removeHandler(log_handler)
 
 
-def _stdout_closed() -> int:
-    """The reader of stdout has gone: stop quietly, as a program killed by SIGPIPE would.
+class StdoutFailed(Exception):
+    """Writing the answer to standard output failed; the cause says how."""
+
+
+def _stdout_failed(cause: BaseException) -> int:
+    """Where the reader of stdout has gone, stop quietly, as a program killed by SIGPIPE
+    would; say what else failed (a full disk, an encoding without the text's characters).
     stdout goes to devnull so that the interpreter's last flush does not fail on it too."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 141
+    if isinstance(cause, BrokenPipeError):
+        return 141
+    print(f"error: writing the answer to standard output failed: {cause}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from specsplit.edge.stream import GenerateStream
 from specsplit.protocol import codec, errors
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import (
+    MAX_CHUNK,
     Done,
     DraftMode,
     Opened,
@@ -180,6 +181,17 @@ class GenerationResult:
     timeline: list[tuple] = field(default_factory=list)
 
 
+@dataclass
+class _Record:
+    """What a generation measures, kept over its attempts: after a retry, its times still count
+    from the first attempt's start and its counts go on from the attempts before."""
+
+    stats: GenerationStats
+    t0: float = field(default_factory=time.perf_counter)
+    commit_times: list[float] = field(default_factory=list)
+    timeline: list[tuple] = field(default_factory=list)
+
+
 class _Generation:
     def __init__(
         self,
@@ -190,6 +202,7 @@ class _Generation:
         draft_model: str,
         committed_ids: Sequence[int],
         on_commit: Callable[[list[int]], None] | None,
+        record: _Record,
     ) -> None:
         if cfg.mode != "none" and drafter is None:
             raise ValueError(f"mode {cfg.mode} needs a draft model")
@@ -212,14 +225,15 @@ class _Generation:
             committed_ids=tuple(self.committed_ids),
         )
         self.proposer = Proposer(self.request.resolved_mode(), cfg.sampling, cfg.sparse_top_k)
-        self.stats = GenerationStats(mode=cfg.mode)
-        self.commit_times: list[float] = []
-        self.timeline: list[tuple] = []
-        self._t0 = 0.0
+        self.stats = record.stats
+        self.commit_times = record.commit_times
+        self.timeline = record.timeline
+        self._t0 = record.t0
         self.edge: EdgeSession | None = None
         self._changed = asyncio.Event()
         self._verdicts = 0
         self._max_window = cfg.window
+        self._k = cfg.k  # sync: drafts per round, within what the server takes
         self._server_lookahead = cfg.window  # how far past its committed point the server takes drafts
         # (position, token) -> the drafter's view of that draft (a branch's drafts sit beside the main line's)
         self._choices: dict[tuple[int, int], DraftChoice] = {}
@@ -259,15 +273,21 @@ class _Generation:
     async def run(self, stream: GenerateStream) -> GenerationResult:
         """Generate on `stream`'s call (begun here if it has none), leaving it open for the
         next generation; after a failure the call is cancelled."""
-        t0 = self._t0 = time.perf_counter()
+        t0 = self._t0
         self._stream = stream
         drafting = None
         try:
             opened = await self._open(stream)
-            self.stats.opened_s = time.perf_counter() - t0
+            if self.stats.opened_s is None:  # an earlier attempt's Opened was the first
+                self.stats.opened_s = time.perf_counter() - t0
             self._max_window = min(self.cfg.window, opened.max_lookahead)
             self._server_lookahead = opened.max_lookahead
-            window = self.cfg.k if self.cfg.mode == "sync" else self._lookahead()
+            if self.cfg.mode == "sync":
+                self._k = min(self.cfg.k, opened.max_lookahead, MAX_CHUNK)
+                if self._k < self.cfg.k:
+                    log.warning("sync: k %d is past what the server takes at once; drafting %d per round",
+                                self.cfg.k, self._k)
+            window = self._k if self.cfg.mode == "sync" else self._lookahead()
             self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
             drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
             await self._read_loop(stream.call, t0)
@@ -284,8 +304,10 @@ class _Generation:
             # it: a retry, or the next generation of a long-lived client, reuses the drafter,
             # whose caches must never be stepped from two threads at once.
             await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown)
+            if self.edge is not None:
+                self.stats.add_drafting(self.edge)
         assert self.edge is not None
-        self.stats.finish(self.edge, time.perf_counter() - t0, self.commit_times)
+        self.stats.finish(len(self.edge.generated), time.perf_counter() - t0, self.commit_times)
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
     async def _open(self, stream: GenerateStream) -> Opened:
@@ -335,7 +357,7 @@ class _Generation:
             elif isinstance(event, Done):
                 edge.apply_done(event)
                 self.stats.done_reason = event.reason.name.lower()
-                self.stats.target_busy_s = event.target_busy_s
+                self.stats.target_busy_s += event.target_busy_s
                 self._changed.set()
                 return
             self._changed.set()
@@ -383,7 +405,7 @@ class _Generation:
                 # A drafter that picks tokens without a model drafts inline: it fills the
                 # room at once, and what it drafted goes out as one chunk.
                 started = self._now()
-                for _ in range(min(edge.room(), self.cfg.k - edge.speculative) if sync else edge.room()):
+                for _ in range(min(edge.room(), self._k - edge.speculative) if sync else edge.room()):
                     edge.push_draft(pick(edge.tokens))
                 self._mark("draft", started, self._now(), len(edge.tokens))
             else:
@@ -405,10 +427,10 @@ class _Generation:
                 if branching:
                     self._choices[len(trajectory), token] = draft_choice(logits)
                 edge.push_draft(token, dist)
-            if sync and edge.speculative < self.cfg.k:
+            if sync and edge.speculative < self._k:
                 continue
-            chunk = edge.next_chunk()
-            if chunk is not None:
+            # (More than a chunk's worth unsent only where a server's lookahead is past it.)
+            while (chunk := edge.next_chunk(MAX_CHUNK)) is not None:
                 if sync:
                     awaiting = self._verdicts
                 self._mark("send", self._now(), chunk.start, len(chunk.tokens))
@@ -546,9 +568,10 @@ async def generate(
     # A kept stream is the generation's from its first attempt to its last: another one
     # taking it during a retry's backoff would leave the retry nothing to re-open on.
     backoff = connect.backoff_s
+    record = _Record(GenerationStats(mode=cfg.mode))
     with via.carrying() if isinstance(via, GenerateStream) else contextlib.nullcontext():
         for attempt in range(connect.retries + 1):
-            gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit)
+            gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit, record)
             gen.stall_timeout_s = connect.stall_timeout_s
             gen.metadata = (("authorization", f"Bearer {connect.token}"),) if connect.token else ()
             try:

@@ -38,7 +38,8 @@ class GenerationStats:
     done_reason: str = ""
     itl_p50_ms: float = 0.0  # inter-token latency over committed tokens (0 within one verdict)
     itl_p99_ms: float = 0.0
-    target_busy_s: float = 0.0  # the server's time on this session's verifications
+    # the server's time on this session's verifications (of an attempt a retry interrupted, unknown: not counted)
+    target_busy_s: float = 0.0
     server_idle_fraction: float = 0.0  # of the generation's wall time, the target did not work for it
     reconnects: int = 0  # streams re-opened after a lost server or network
 
@@ -50,8 +51,15 @@ class GenerationStats:
         self.drafts_accepted += v.accepted
         self.rejections += v.accepted < v.proposed
 
-    def finish(self, edge: EdgeSession, elapsed_s: float, commit_times: list[float]) -> None:
-        self.tokens = len(edge.generated)
+    def add_drafting(self, edge: EdgeSession) -> None:
+        """Count an attempt's drafting (a retry's attempt drafts on a session of its own)."""
+        self.drafts_made += edge.drafted
+        self.drafts_wasted += edge.wasted
+        self.branch_drafted += edge.branch_drafted
+        self.branches_taken += edge.branches_taken
+
+    def finish(self, tokens: int, elapsed_s: float, commit_times: list[float]) -> None:
+        self.tokens = tokens
         if len(commit_times) > 1:
             gaps = np.diff(commit_times) * 1000
             self.itl_p50_ms = float(np.percentile(gaps, 50))
@@ -62,10 +70,6 @@ class GenerationStats:
         self.acceptance_rate = self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
         self.acceptance_per_position = observed_acceptance(self.drafts_accepted, self.rejections) or 0.0
         self.mean_accepted = self.drafts_accepted / self.verifications if self.verifications else 0.0
-        self.drafts_made = edge.drafted
-        self.drafts_wasted = edge.wasted
-        self.branch_drafted = edge.branch_drafted
-        self.branches_taken = edge.branches_taken
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -77,4 +81,5 @@ class GenerationStats:
             f"ttft {ttft}, acceptance {self.acceptance_rate:.0%}, "
             f"mean accepted/verification {self.mean_accepted:.2f}, drafts wasted {self.drafts_wasted}, "
             f"bytes up {self.bytes_up} / down {self.bytes_down}, done: {self.done_reason}"
+            + (f", reconnects {self.reconnects}" if self.reconnects else "")
         )

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specsplit.common.address import bracketed
 from specsplit.protocol import codec, errors
-from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits, Verdict
+from specsplit.protocol.messages import MAX_CHUNK, Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig
 from specsplit.server.engine import Engine
@@ -42,7 +42,7 @@ class ServeConfig:
     port: int = 50051
     max_sessions: int = 64
     max_lookahead: int = 64
-    max_chunk: int = 64
+    max_chunk: int = MAX_CHUNK
     max_context: int | None = None  # None: the target's position limit
     max_new_tokens: int = 4096
     max_message_bytes: int = 1 << 20

@@ -29,6 +29,9 @@ class DoneReason(enum.IntEnum):
     CANCELLED = 5
 
 
+# The most draft tokens one chunk may carry (a server refuses more with RESOURCE_EXHAUSTED).
+MAX_CHUNK = 64
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -150,7 +153,7 @@ class ServerLimits:
     vocab_size: int
     max_context: int
     max_lookahead: int = 64
-    max_chunk: int = 64
+    max_chunk: int = MAX_CHUNK
     max_new_tokens: int = 4096
     eos_ids: tuple[int, ...] = field(default_factory=tuple)
     target_model: str = ""
