@@ -89,6 +89,19 @@ def test_chat_template_and_stop_ids(tiny, server) -> None:
     assert result.tokens == want[: want.index(stop) + 1] and result.stats.done_reason == "stop"
 
 
+def test_a_seed_gives_the_same_sampled_text_in_every_mode(tiny, server) -> None:
+    """With match verification (the default when sampling) the text for a seed is the one the
+    target alone draws: the drafts, their timing and the mode only change how fast it comes."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("import numpy")
+    for seed in (1, 2, 3):
+        sampling = SamplingParams(temperature=1.0, seed=seed)
+        texts = {mode: run(server, ids, EdgeConfig(mode=mode, max_new_tokens=40, sampling=sampling),
+                           None if mode == "none" else tiny.draft_dir, fingerprint=tok.fingerprint).tokens
+                 for mode in ("none", "sync", "async")}
+        assert texts["sync"] == texts["none"] and texts["async"] == texts["none"], (seed, texts)
+
+
 def _first_two_counts(server, tiny, ids, mode, params, sessions) -> np.ndarray:
     """Run many short sampled sessions concurrently; count (first, second) token pairs."""
 

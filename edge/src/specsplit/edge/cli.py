@@ -233,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the likeliest tokens that make up this much probability (1: all)")
     g.add_argument("--top-k", type=int, default=0, help="sample among this many likeliest tokens (0: all)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampled draws (the same text for the same seed)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampled draws: with match verification (the default) the same text for "
+                   "the same seed in every mode, up to the target's rounding (on a GPU, its batching); "
+                   "with sparse-q the same distribution")
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
                    help="greedy (the default at temperature 0); sampled: match (the default above it) or sparse-q")
     g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")

@@ -1,10 +1,14 @@
 """Exact verification of a run of draft tokens against target logits.
 
 Greedy accepts while the draft equals the target's argmax. `match` treats each draft
-token as a point-mass proposal: accept with probability p(x), on rejection sample
-from norm(max(0, p - onehot(x))). `sparse-q` uses the draft's top-k truncated q:
-accept with min(1, p(x)/q(x)), on rejection sample from norm(max(0, p - q)).
-Either way the committed token follows the target's processed distribution p exactly.
+token as a point-mass proposal: it draws the position's token y from p with the
+position's own uniform and accepts the draft iff it is y (probability p(x)); otherwise
+y is the correction, distributed as norm(max(0, p - onehot(x))). So the token at a
+position is the one the target alone would draw there, whatever was drafted: for a seed,
+the text is the same in every mode. `sparse-q` uses the draft's top-k truncated q:
+accept with min(1, p(x)/q(x)), on rejection sample from norm(max(0, p - q)); its text
+depends on the drafts. Either way the committed token follows the target's processed
+distribution p exactly.
 """
 from __future__ import annotations
 
@@ -23,14 +27,11 @@ class Outcome:
     token: int  # the target's token after them: a correction or the bonus
 
 
-def residual(p: np.ndarray, draft: int, dist: SparseDist | None) -> np.ndarray:
-    """max(0, p - q) where q is the draft's proposal (a point mass without `dist`)."""
+def residual(p: np.ndarray, dist: SparseDist) -> np.ndarray:
+    """max(0, p - q) where q is the draft's proposal."""
     r = p.copy()
-    if dist is None:
-        r[draft] = 0.0
-    else:
-        r[list(dist.ids)] -= np.asarray(dist.probs, dtype=np.float64)
-        np.maximum(r, 0.0, out=r)
+    r[list(dist.ids)] -= np.asarray(dist.probs, dtype=np.float64)
+    np.maximum(r, 0.0, out=r)
     return r
 
 
@@ -63,11 +64,15 @@ def verify(
     for j, x in enumerate(drafts):
         rng = position_rng(params.seed, start + j)
         p = probs[j]
-        dist = dists[j] if mode is VerificationMode.SPARSE_Q else None
-        q_x = 1.0 if dist is None else dist.prob_of(x)
-        if rng.random() * q_x < p[x]:  # u < p(x) / q(x), without dividing
+        if mode is VerificationMode.MATCH:
+            y = sample_from(p, rng.random())  # the bonus below draws the same way: none's token too
+            if y == x:
+                continue
+            return Outcome(j, y)
+        dist = dists[j]
+        if rng.random() * dist.prob_of(x) < p[x]:  # u < p(x) / q(x), without dividing
             continue
-        r = residual(p, x, dist)
+        r = residual(p, dist)
         # r sums to zero only if p == q, where rejection has probability zero.
         return Outcome(j, sample_from(r if r.sum() > 0 else p, rng.random()))
     rng = position_rng(params.seed, start + len(drafts))
