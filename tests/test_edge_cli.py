@@ -139,6 +139,46 @@ def test_a_broken_chat_template_matters_only_to_chat_prompts(tiny, tmp_path) -> 
         tok.chat_prompt("hello")
 
 
+# Loop controls, a {% generation %} block, tojson of non-ASCII text and strftime_now: what
+# transformers gives chat templates beyond plain jinja2 (the first two did not parse here).
+RICH_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+    "{% else %}<{{ m.role }}>{{ m.content | tojson }}{% endif %}{% endfor %}"
+    "{{ {'naïve': 'café <b>'} | tojson(indent=1) }}{{ strftime_now('%Y') }}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_chat_templates_render_as_transformers_renders_them(tiny, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    export = Path(_broken_export(tiny, tmp_path, "rich", lambda e: (e / "chat_template.jinja").write_text(RICH_TEMPLATE)))
+    theirs = AutoTokenizer.from_pretrained(str(export)).apply_chat_template(
+        [{"role": "user", "content": "héllo <x>"}], tokenize=False, add_generation_prompt=True)
+    assert EdgeTokenizer(export).chat_prompt("héllo <x>") == theirs
+
+
+def test_a_raw_prompt_gets_the_special_tokens_the_tokenizer_adds(tiny, tmp_path) -> None:
+    """Many models' tokenizers put a BOS first, as transformers' tokenizer(text) does; a
+    raw prompt without it reached the target unlike any prompt it was trained on."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    def with_bos(export: Path) -> None:
+        tok = Tokenizer.from_file(str(export / "tokenizer.json"))
+        bos = "<|im_start|>"
+        tok.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.save(str(export / "tokenizer.json"))
+
+    export = Path(_broken_export(tiny, tmp_path, "bos", with_bos))
+    ours = EdgeTokenizer(export)
+    want = AutoTokenizer.from_pretrained(str(export))("def add(a, b):").input_ids
+    assert ours.encode("def add(a, b):", add_special_tokens=True) == want
+    assert want[0] == ours.token_id("<|im_start|>") and ours.encode("def add(a, b):") == want[1:]
+
+
 def test_a_stats_file_keeps_its_content_when_the_draft_fails_to_load(tmp_path, capsys) -> None:
     stats = tmp_path / "stats.jsonl"
     stats.write_text("earlier run\n")

@@ -168,10 +168,11 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
     stream = GenerateStream.on(*channels)
     try:
         async for prompt in _prompts(args, prompts):
-            text = prompt if args.raw else tokenizer.chat_prompt(prompt)
             shown = log_handler.shown = None if args.json else TextStream(tokenizer)
             try:
-                result = await generate(stream, tokenizer.encode(text), cfg, drafter=drafter,
+                ids = tokenizer.encode(prompt, add_special_tokens=True) if args.raw else \
+                    tokenizer.encode(tokenizer.chat_prompt(prompt))
+                result = await generate(stream, ids, cfg, drafter=drafter,
                                         fingerprint=tokenizer.fingerprint, draft_model=str(directory),
                                         on_commit=shown, connect=connect)
             except BaseException:
@@ -254,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--branches", type=int, choices=range(MAX_BRANCHES + 1), default=EdgeConfig.branches,
                    help="async, greedy: how many branches may be open beside the drafts at once "
                    "(default %(default)s; 0: none)")
-    g.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads for the drafter")
+    g.add_argument("--threads", type=int, default=1,
+                   help="ONNX Runtime threads for the drafter (0: ONNX Runtime's default, one per core)")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server with: connect over TLS")

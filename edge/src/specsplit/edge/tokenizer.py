@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
-from jinja2 import Template, TemplateError
+from jinja2 import Template, TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -13,6 +16,39 @@ from specsplit.common.fingerprint import vocab_fingerprint
 
 def _raise(message: str) -> None:
     raise ValueError(message)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """As transformers renders `tojson` in chat templates (jinja2's own escapes HTML)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates use to mark
+    the assistant's part for training masks: rendering, it is its content."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def chat_environment() -> ImmutableSandboxedEnvironment:
+    """A sandbox that renders chat templates as transformers does: its options, extensions,
+    filter and functions."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _GenerationBlocks])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    return env
 
 
 class EdgeTokenizer:
@@ -41,16 +77,17 @@ class EdgeTokenizer:
         self._special = {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
         self._template: Template | str | None = None  # the compiled template, or why it does not parse
         if self.chat_template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
             try:  # compiled once; a broken one matters only to chat prompts, not to raw ones
-                self._template = env.from_string(self.chat_template)
+                self._template = chat_environment().from_string(self.chat_template)
             except TemplateError as exc:
                 self._template = f"the chat template in {source} does not parse ({exc})"
         self.fingerprint = vocab_fingerprint(self._tok.get_vocab(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. A rendered chat template holds its special tokens already;
+        a raw prompt gets the ones the tokenizer adds (a BOS, for many models), as
+        transformers' tokenizer(text) gives them."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
