@@ -242,3 +242,15 @@ def test_a_warning_while_text_streams_lands_on_a_line_of_its_own_only_on_a_share
     # once, and a line already ended is left alone.
     assert out.getvalue() == ("Hello\n world\n" if shares_terminal else "Hello world\n")
     assert capsys.readouterr().err == "WARNING: retrying\nWARNING: again\n"
+
+
+@pytest.mark.parametrize(("server", "warned"), [("192.0.2.1:50051", True), ("server.example:50051", True),
+                                                ("127.0.0.1:50051", False), ("[::1]:50051", False),
+                                                ("localhost:50051", False)])
+def test_a_token_sent_in_the_clear_is_warned_of(tmp_path, capsys, monkeypatch, server, warned) -> None:
+    """Over plaintext anyone on the path reads the bearer token; on loopback nobody does."""
+    monkeypatch.setenv("SPECSPLIT_TOKEN", "s3cret")
+    assert main(["generate", "--server", server, "--draft", str(tmp_path / "nowhere"), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert ("$SPECSPLIT_TOKEN goes to the server in the clear" in err) == warned, err
+    assert "s3cret" not in err

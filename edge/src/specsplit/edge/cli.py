@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
     except ValueError as exc:
         args.command_parser.error(str(exc))
+    if args.connect.token and args.connect.credentials is None and not all(map(_loopback, args.servers)):
+        print("warning: $SPECSPLIT_TOKEN goes to the server in the clear: without --tls-ca the connection is "
+              "plaintext, and anyone on the path can read the token and use it", file=sys.stderr)
     try:
         prompts = open_prompts(args)
     except OSError as exc:
@@ -367,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
 
 class StdoutFailed(Exception):
     """Writing the answer to standard output failed; the cause says how."""
+
+
+def _loopback(server: str) -> bool:
+    host = server.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _stdout_failed(cause: BaseException) -> int:
