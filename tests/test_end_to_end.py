@@ -224,6 +224,25 @@ def test_edge_cli_generates_each_line_of_its_input_on_one_stream(tiny, server) -
     assert [line["token_ids"] for line in lines] == [reference(str(tiny.target_dir), tok.encode(p), 8) for p in prompts]
     first = lines[0]["session_id"]
     assert lines[1]["session_id"] == f"{first}.2"  # the second opened on the first one's stream
+    assert [(line["line"], line["prompt"]) for line in lines] == [(1, prompts[0]), (3, prompts[1])]
+
+
+def test_a_prompt_the_server_refuses_does_not_end_the_others(tiny, server) -> None:
+    """One prompt too long for the target's context: an error on its line, a JSON line in its
+    place, the prompts after it still generated, and exit status 1."""
+    too_long = " ".join(["word"] * 400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
+         "--max-new-tokens", "8", "--json", "--raw", "--prompts-file", "-"],
+        input=f"hello\n{too_long}\ndef add(a, b):\n", capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["line"] for line in lines] == [1, 2, 3]
+    assert lines[1]["error"].startswith("OUT_OF_RANGE: prompt of") and "token_ids" not in lines[1]
+    tok = EdgeTokenizer(tiny.draft_dir)
+    assert lines[2]["token_ids"] == reference(str(tiny.target_dir), tok.encode("def add(a, b):"), 8)
+    assert "error: line 2: OUT_OF_RANGE" in proc.stderr and "error: 1 of the prompts failed" in proc.stderr
 
 
 def test_health_and_reflection(server) -> None:

@@ -33,7 +33,7 @@ from specsplit.edge.client import (
 )
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
 from specsplit.edge.stream import GenerateStream
-from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.edge.tokenizer import TEMPLATE_FAILED, EdgeTokenizer
 from specsplit.protocol.errors import ProtocolError
 from specsplit.protocol.messages import SamplingParams, VerificationMode
 
@@ -84,11 +84,12 @@ class LogBesideText(logging.StreamHandler):  # type: ignore[type-arg]
         super().emit(record)
 
 
-async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIterator[str]:
-    """PROMPT, or the lines of --prompts-file (`source`, open) as they come (standard input
-    for '-', so a person can type them one by one), blank lines skipped."""
+async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIterator[tuple[int | None, str]]:
+    """(None, PROMPT), or the lines of --prompts-file (`source`, open) as they come (standard
+    input for '-', so a person can type them one by one) with their line numbers, blank
+    lines skipped."""
     if args.prompts_file is None:
-        yield args.prompt
+        yield None, args.prompt
         return
     assert source is not None
     loop = asyncio.get_running_loop()
@@ -116,13 +117,15 @@ async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIter
     # A thread of its own that nothing waits for at exit: a read blocked on a terminal would
     # otherwise keep Ctrl-C from ending the program until Enter was pressed.
     threading.Thread(target=read, daemon=True, name="prompts").start()
+    number = 0
     while line := await lines.get():
         if isinstance(line, UnicodeDecodeError):
             raise ValueError(f"--prompts-file {args.prompts_file}: not UTF-8 text ({line})")
         if isinstance(line, Exception):
             raise OSError(f"--prompts-file {args.prompts_file}: {line}")
+        number += 1
         if line.strip():
-            yield line.rstrip("\n")
+            yield number, line.rstrip("\n")
 
 
 def open_prompts(args: argparse.Namespace) -> TextIO | None:
@@ -167,8 +170,9 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
     # which moves to the next server only when its own fails.
     channels = [open_channel(server, connect) for server in args.servers]
     stream = GenerateStream.on(*channels)
+    failed = 0
     try:
-        async for prompt in _prompts(args, prompts):
+        async for line, prompt in _prompts(args, prompts):
             shown = log_handler.shown = None if args.json else TextStream(tokenizer)
             try:
                 ids = tokenizer.encode(prompt, add_special_tokens=True) if args.raw else \
@@ -176,11 +180,15 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
                 result = await generate(stream, ids, cfg, drafter=drafter,
                                         fingerprint=tokenizer.fingerprint, draft_model=str(directory),
                                         on_commit=shown, connect=connect)
-            except BaseException:
+            except BaseException as exc:
                 if shown is not None:
                     shown.end_line()  # the error or the next prompt follows on a line of its own
-                raise
-            _report(result, tokenizer, args, shown, stats_file)
+                if line is None or not (problem := _prompts_own(exc)):
+                    raise
+                failed += 1  # this prompt's fault: the next may go
+                _report_refusal(line, prompt, problem, args, stats_file)
+                continue
+            _report(result, line, prompt, tokenizer, args, shown, stats_file)
             log_handler.shown = None  # the report ended its line; a warning before the next is on its own
     finally:
         stream.close()
@@ -188,14 +196,43 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
             await channel.close(grace=1.0)  # time for the server to end the half-closed call
         if stats_file is not None:
             stats_file.close()
-    return 0
+    if failed:
+        print(f"error: {failed} of the prompts failed (their lines say why)", file=sys.stderr)
+    return 1 if failed else 0
 
 
-def _report(result: GenerationResult, tokenizer: EdgeTokenizer, args: argparse.Namespace,
-            shown: TextStream | None, stats_file: TextIO | None) -> None:
+# What the server refuses in one prompt (too long for its context, say) rather than in every one.
+PROMPT_REFUSALS = (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def _prompts_own(exc: BaseException) -> str | None:
+    """What went wrong with one prompt of many, where that is the prompt's own fault, not the
+    run's: the server refused it, or the chat template failed on it."""
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in PROMPT_REFUSALS:
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, ValueError) and str(exc).startswith(TEMPLATE_FAILED):
+        return str(exc)
+    return None
+
+
+def _report_refusal(line: int, prompt: str, problem: str, args: argparse.Namespace,
+                    stats_file: TextIO | None) -> None:
+    """A prompt that failed on its own: an error line, and a JSON line in its place."""
+    print(f"error: line {line}: {problem}", file=sys.stderr, flush=True)
+    record = json.dumps({"line": line, "prompt": prompt, "error": problem})
+    if stats_file is not None:
+        stats_file.write(record + "\n")
+        stats_file.flush()
+    if args.json:
+        print(record, flush=True)
+
+
+def _report(result: GenerationResult, line: int | None, prompt: str, tokenizer: EdgeTokenizer,
+            args: argparse.Namespace, shown: TextStream | None, stats_file: TextIO | None) -> None:
     """One generation's output: its text and stats line, or one JSON object (a line each)."""
     final = tokenizer.decode(result.tokens)
-    record = {**result.stats.as_dict(), "session_id": result.opened.session_id if result.opened else None,
+    record = {"line": line, "prompt": prompt, **result.stats.as_dict(),
+              "session_id": result.opened.session_id if result.opened else None,
               "text": final, "token_ids": result.tokens}
     if stats_file is not None:
         stats_file.write(json.dumps({**record, "commit_times": result.commit_times, "timeline": result.timeline}) + "\n")
@@ -224,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", metavar="FILE",
                    help="instead of PROMPT: generate for each line of FILE in turn ('-': standard input, a line "
                    "at a time as it is typed), all on one kept stream; --json and --stats-json then give a "
-                   "JSON line per prompt")
+                   "JSON line per prompt, with its line number. A prompt the server refuses (too long, say) "
+                   "gets an error line (and a JSON line with its error) and the rest go on; the exit status "
+                   "is then 1")
     g.add_argument("--server", required=True,
                    help="HOST:PORT of the specsplit server; a comma-separated list fails over in order (the stream "
                    "stays on the server it failed over to)")

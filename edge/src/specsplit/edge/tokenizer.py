@@ -14,6 +14,10 @@ from tokenizers import Tokenizer
 from specsplit.common.fingerprint import vocab_fingerprint
 
 
+# How the error begins where the chat template fails on one prompt (not on every one).
+TEMPLATE_FAILED = "the chat template failed on this prompt"
+
+
 def _raise(message: str) -> None:
     raise ValueError(message)
 
@@ -105,4 +109,4 @@ class EdgeTokenizer:
             return self._template.render(messages=[{"role": "user", "content": user_text}],
                                          add_generation_prompt=True, **self._special)
         except TemplateError as exc:  # raise_exception's ValueError passes as it is
-            raise ValueError(f"the chat template failed on this prompt ({exc})") from None
+            raise ValueError(f"{TEMPLATE_FAILED} ({exc})") from None
