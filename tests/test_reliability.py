@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from certs import make_pki
 from conftest import free_port, launch_server
+from specsplit.edge import cli as edge_cli
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
@@ -262,7 +263,7 @@ def test_sigterm_drains_and_devices_move_on(tiny, server, tmp_path) -> None:
             held.close()
 
 
-def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:
+def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys) -> None:
     pki = make_pki(tmp_path)
     tokens = tmp_path / "tokens"
     tokens.write_text("# device token\npi-kitchen 0123456789abcdef0123\n")
@@ -312,6 +313,20 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, tmp_path) -> None:
         assert server_cli.main(["health", "--address", addr, *tls]) == 0
         assert server_cli.main(["health", "--address", addr, *tls[:2]]) == 1  # no client certificate
         assert server_cli.main(["health", "--address", addr, "--timeout", "1"]) == 1  # plaintext
+        # TLS settings that do not match the server's read as a lost server in gRPC's words;
+        # the edge's error line says which setting to look at.
+        (tmp_path / "other").mkdir()
+        other_ca = make_pki(tmp_path / "other")["ca"]
+        for address, tls, hint in [
+            (addr, [], "if it serves TLS, give --tls-ca"),
+            (addr, tls[:2], "if it asks for client certificates, give --tls-cert and --tls-key"),
+            (addr, ["--tls-ca", str(other_ca.with_suffix(".crt"))], "--tls-ca must hold the CA that signed"),
+            (server, tls, "the server does not seem to speak TLS"),
+        ]:
+            assert edge_cli.main(["generate", "--server", address, "--draft", str(tiny.draft_dir), "--retries", "0",
+                                  *tls, "hi"]) == 1
+            err = capsys.readouterr().err
+            assert "error: UNAVAILABLE" in err and hint in err, err
 
 
 def test_edge_resumes_on_another_server_when_its_server_dies(tiny, server, tmp_path) -> None:
