@@ -32,6 +32,7 @@ from specsplit.edge.tokenizer import EdgeTokenizer
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--server", "a:1,b:2", "--retries", "0"], "leaves no attempt for the last of the 2 servers"),
     (["--timeline"], "--timeline is written to --stats-json"),
+    (["--tls-server-name", "server.example"], "--tls-server-name is for TLS: give --tls or --tls-ca too"),
     (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: no such file"),
     (["--tls-ca", __file__], f"--tls-ca {__file__} holds no PEM certificate"),  # gRPC would fail every handshake
     (["--tls-cert", __file__, "--tls-key", __file__], "are not a PEM certificate and its own unencrypted key"),

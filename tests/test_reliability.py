@@ -263,7 +263,7 @@ def test_sigterm_drains_and_devices_move_on(tiny, server, tmp_path) -> None:
             held.close()
 
 
-def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys) -> None:
+def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys, monkeypatch) -> None:
     pki = make_pki(tmp_path)
     tokens = tmp_path / "tokens"
     tokens.write_text("# device token\npi-kitchen 0123456789abcdef0123\n")
@@ -327,6 +327,12 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys) -> Non
                                   *tls, "hi"]) == 1
             err = capsys.readouterr().err
             assert "error: UNAVAILABLE" in err and hint in err, err
+        # A certificate checked against another name than the one dialled.
+        monkeypatch.setenv("SPECSPLIT_TOKEN", "0123456789abcdef0123")
+        for name, code in [("specsplit.invalid", 1), ("localhost", 0)]:
+            assert edge_cli.main(["generate", "--server", addr, "--draft", str(tiny.draft_dir), "--retries", "0",
+                                  "--max-new-tokens", "2", *tls, "--tls-server-name", name, "hi"]) == code, name
+            assert ("--tls-server-name" in capsys.readouterr().err) == (code == 1)
 
 
 def test_edge_resumes_on_another_server_when_its_server_dies(tiny, server, tmp_path) -> None:

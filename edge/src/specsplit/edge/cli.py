@@ -299,7 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ONNX Runtime threads for the drafter (0: ONNX Runtime's default, one per core)")
     g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    g.add_argument("--tls", action="store_true",
+                   help="connect over TLS, trusting gRPC's default public CAs (--tls-ca names a CA of your own)")
     g.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server with: connect over TLS")
+    g.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the server's certificate holds, where --server dials it by another (an IP address)")
     g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
     g.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
     g.add_argument("--retries", type=int, default=5, help="re-opens after a lost server or stream, or a full one that says when to "
@@ -348,6 +352,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--timeline is written to --stats-json: give that too")
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("PROMPT is empty")
+    if args.tls_server_name is not None and not (args.tls or args.tls_ca or args.tls_cert):
+        raise ValueError("--tls-server-name is for TLS: give --tls or --tls-ca too")
     try:
         args.config = EdgeConfig(
             mode=args.mode, window=args.window, adaptive_window=args.adaptive_window, k=args.k,
@@ -357,7 +363,8 @@ def check_args(args: argparse.Namespace) -> None:
             sparse_top_k=args.sparse_top_k, stop_ids=tuple(args.stop_id), timeline=args.timeline,
         )
         args.connect = ConnectOptions(
-            credentials=client_credentials(args.tls_ca, args.tls_cert, args.tls_key),
+            credentials=client_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.tls),
+            tls_server_name=args.tls_server_name,
             token=os.environ.get("SPECSPLIT_TOKEN") or None, stall_timeout_s=args.stall_timeout, retries=args.retries,
         )
     except ConfigError as exc:
@@ -375,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         args.command_parser.error(str(exc))
     if args.connect.token and args.connect.credentials is None and not all(map(_loopback, args.servers)):
-        print("warning: $SPECSPLIT_TOKEN goes to the server in the clear: without --tls-ca the connection is "
+        print("warning: $SPECSPLIT_TOKEN goes to the server in the clear: without --tls or --tls-ca the connection is "
               "plaintext, and anyone on the path can read the token and use it", file=sys.stderr)
     try:
         prompts = open_prompts(args)
@@ -415,14 +422,17 @@ class StdoutFailed(Exception):
 def _tls_hint(details: str, args: argparse.Namespace) -> str:
     """What a failed connection's details say of TLS settings that do not match the server's,
     which gRPC reports as a lost server (and the edge retried as one)."""
+    if "Hostname Verification" in details:
+        return ("\n(the server's certificate does not name the host in --server: give the name it holds with "
+                "--tls-server-name)")
     if "handshake failed" in details.lower():
         if "WRONG_VERSION_NUMBER" in details:
-            return "\n(the server does not seem to speak TLS: leave out --tls-ca, --tls-cert and --tls-key)"
+            return "\n(the server does not seem to speak TLS: leave out --tls, --tls-ca, --tls-cert and --tls-key)"
         return ("\n(the TLS handshake failed: --tls-ca must hold the CA that signed the server's certificate, "
-                "and the certificate must name the host in --server)")
+                "and the certificate must name the host in --server, or --tls-server-name)")
     if "Socket closed" in details:
-        if args.tls_ca is None and args.tls_cert is None:
-            return "\n(the server closed the connection at once: if it serves TLS, give --tls-ca)"
+        if args.tls_ca is None and args.tls_cert is None and not args.tls:
+            return "\n(the server closed the connection at once: if it serves TLS, give --tls-ca or --tls)"
         if args.tls_cert is None:
             return ("\n(the server closed the connection at once: if it asks for client certificates, give "
                     "--tls-cert and --tls-key)")

@@ -107,6 +107,8 @@ _AT_LEAST = {"window": 1, "k": 1, "branch_tokens": 0, "max_new_tokens": 1, "spar
 @dataclass(frozen=True)
 class ConnectOptions:
     credentials: grpc.ChannelCredentials | None = None  # TLS (and mutual TLS) when set
+    # The name the server's certificate must hold, where the address dialled is another (an IP address)
+    tls_server_name: str | None = None
     token: str | None = None  # bearer token sent as `authorization` metadata
     stall_timeout_s: float | None = 60.0  # no message for this long: the stream is treated as dead
     retries: int = 5  # re-opens after a lost server or stream, cycling through the addresses given
@@ -521,7 +523,9 @@ class _Generation:
 
 
 def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:
-    options = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
+    options: list[tuple[str, int | str]] = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
+    if connect.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", connect.tls_server_name))
     if connect.credentials is not None:
         return grpc.aio.secure_channel(address, connect.credentials, options=options)
     return grpc.aio.insecure_channel(address, options=options)

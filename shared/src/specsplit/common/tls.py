@@ -44,15 +44,16 @@ def _loads(certificate: str) -> bool:
     return True
 
 
-def client_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
-    """None for plaintext (no CA and no certificate given); else TLS trusting `ca` (the
-    system's CAs where None), with this client's `cert` and `key` for mutual TLS. Raises
+def client_credentials(ca: str | None, cert: str | None, key: str | None,
+                       tls: bool = False) -> grpc.ChannelCredentials | None:
+    """None for plaintext (no CA, no certificate and not `tls`); else TLS trusting `ca`
+    (gRPC's default roots where None), with this client's `cert` and `key` for mutual TLS. Raises
     ValueError, naming the option (--tls-ca, --tls-cert, --tls-key), for a certificate
     without its key or the reverse and for files that cannot be read or are not PEM
     (`check_pem`)."""
     if bool(cert) != bool(key):
         raise ValueError("--tls-cert and --tls-key go together")
-    if not (ca or cert):
+    if not (ca or cert or tls):
         return None
     for flag, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
         if path and (not Path(path).exists() or Path(path).is_dir()):
