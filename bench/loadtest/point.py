@@ -12,6 +12,7 @@ from loadtest.scrape import UNREADABLE, Snapshot, scrape, value
 from loadtest.sessions import LoadRun, LoadSpec, run_sessions
 from loadtest.summary import summarize
 from loadtest.workers import ClientWorkers
+from specsplit.common.aio import within
 
 SAMPLE_EVERY_S = 0.5
 
@@ -63,7 +64,7 @@ async def _sample(server: ServerHandle, peaks: Peaks, stop: asyncio.Event) -> No
             except psutil.Error:  # the server is gone: the sessions' errors will say so
                 proc = None
         try:
-            await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
+            await within(stop.wait(), SAMPLE_EVERY_S)
         except asyncio.TimeoutError:
             pass
 

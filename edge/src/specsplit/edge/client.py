@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from specsplit.common.aio import within
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, Drafter
 from specsplit.edge.lookahead import adaptive_window
@@ -204,7 +205,7 @@ class _Generation:
         draft_model: str,
         committed_ids: Sequence[int],
         on_commit: Callable[[list[int]], None] | None,
-        record: _Record,
+        record: _Record | None = None,  # the generation's so far, where this is a retry's attempt
     ) -> None:
         if cfg.mode != "none" and drafter is None:
             raise ValueError(f"mode {cfg.mode} needs a draft model")
@@ -227,6 +228,7 @@ class _Generation:
             committed_ids=tuple(self.committed_ids),
         )
         self.proposer = Proposer(self.request.resolved_mode(), cfg.sampling, cfg.sparse_top_k)
+        record = record or _Record(GenerationStats(mode=cfg.mode))
         self.stats = record.stats
         self.commit_times = record.commit_times
         self.timeline = record.timeline
@@ -251,7 +253,7 @@ class _Generation:
 
     async def _read_one(self, call):  # type: ignore[no-untyped-def]
         try:
-            msg = await asyncio.wait_for(call.read(), self.stall_timeout_s)
+            msg = await within(call.read(), self.stall_timeout_s)
         except asyncio.TimeoutError:
             call.cancel()
             raise StreamStalled(f"no message from the server for {self.stall_timeout_s} s") from None

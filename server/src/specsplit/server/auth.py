@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 
+from specsplit.common.aio import within
+
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -56,7 +58,7 @@ def _deny(code: grpc.StatusCode, message: str, on_refusal: OnRefusal | None) -> 
         # Take the first message before refusing: a status sent while the client's first
         # write is still in flight reaches a gRPC Python client as INTERNAL, not as `code`.
         try:
-            await asyncio.wait_for(anext(aiter(request_iterator), None), FIRST_MESSAGE_WAIT_S)
+            await within(anext(aiter(request_iterator), None), FIRST_MESSAGE_WAIT_S)
         except (asyncio.TimeoutError, grpc.RpcError):
             pass
         await context.abort(code, message)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specsplit.common.acceptance import acceptance_estimate
+from specsplit.common.aio import within
 from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import Engine, KVState, VerifyItem
@@ -416,7 +417,7 @@ class VerificationWorker:
                         self._wake.clear()
                         timeout = None if soonest is None else max(0.0, soonest - time.monotonic())
                         try:
-                            await asyncio.wait_for(self._wake.wait(), timeout)
+                            await within(self._wake.wait(), timeout)
                         except asyncio.TimeoutError:
                             pass
                         self._host_mark = time.thread_time()  # what the loop did while no pass ran is no pass's

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.common.address import bracketed
+from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import MAX_CHUNK, Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
@@ -170,7 +171,7 @@ class SpecSplitService:
             while True:
                 if session is None:  # before the first Open, or between sessions
                     try:
-                        item = await asyncio.wait_for(outbox.get(), self.cfg.idle_stream_s)
+                        item = await within(outbox.get(), self.cfg.idle_stream_s)
                     except asyncio.TimeoutError:
                         if not outbox.empty():
                             continue  # an Open was read as the wait ran out
