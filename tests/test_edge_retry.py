@@ -6,7 +6,7 @@ import asyncio
 import grpc
 import pytest
 
-from specsplit.edge.client import EdgeConfig, StreamStalled, generate, retry_delay
+from specsplit.edge.client import RETRY_SPREAD, EdgeConfig, StreamStalled, generate, retry_delay, spread
 
 
 def _refused(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioRpcError:
@@ -34,3 +34,11 @@ def test_retry_delay(exc: Exception, delay: float | None) -> None:
 def test_a_generation_needs_somewhere_to_go() -> None:
     with pytest.raises(ValueError, match="needs a server address"):
         asyncio.run(generate([], [1, 2, 3], EdgeConfig(mode="none")))
+
+
+def test_edges_refused_together_do_not_come_back_together() -> None:
+    """Every retry waited exactly its backoff or the pushback: edges a full server refused at
+    once came back at the same instants, and each wave found it as full."""
+    waits = [spread(1.0) for _ in range(200)]
+    assert all(1.0 <= w <= RETRY_SPREAD for w in waits)  # never sooner than the server asked
+    assert max(waits) - min(waits) > 0.3 * (RETRY_SPREAD - 1.0)

@@ -16,6 +16,7 @@ import logging
 import math
 import numbers
 import operator
+import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -591,9 +592,10 @@ async def generate(
                 result.stats.reconnects = attempt
                 return result
             except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
-                delay = retry_delay(exc, backoff)
-                if delay is None or attempt == connect.retries:
+                least = retry_delay(exc, backoff)
+                if least is None or attempt == connect.retries:
                     raise
+                delay = spread(least)
                 if gen.edge is not None:
                     committed = gen.edge.generated  # includes what earlier attempts committed
                 if isinstance(via, GenerateStream):
@@ -627,8 +629,19 @@ def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# A retry waits up to this many times its least wait, at random (`spread`).
+RETRY_SPREAD = 1.5
+
+
+def spread(least: float) -> float:
+    """A retry's wait: `least` and up to half as much again, at random. Edges refused together
+    by a full server, or cut off together by a lost one, would otherwise all come back at the
+    same instants (the backoff doubles alike for all), each wave finding the server as full."""
+    return least * random.uniform(1.0, RETRY_SPREAD)
+
+
 def retry_delay(exc: Exception, backoff: float) -> float | None:
-    """How long to wait before re-opening after `exc`, or None if that would not help: a lost
+    """The least wait before re-opening after `exc`, or None if a retry would not help: a lost
     stream or server waits the backoff; a refusal that carries the server's pushback (a full
     server) waits at least that long."""
     if not isinstance(exc, grpc.aio.AioRpcError):
