@@ -200,3 +200,31 @@ def test_a_cancelled_generation_stops(tiny, endless, mode) -> None:
 
     kept = [asyncio.run(cancelled_mid_way(0.02 + 0.01 * i)) for i in range(10)]  # a whole one took 0.2 s or more
     assert False not in kept and True in kept, kept
+
+
+class FailingDrafter(OnnxDrafter):
+    """An ONNX Runtime step that fails on its third call."""
+
+    calls = 0
+
+    def next_logits(self, tokens):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("the drafter's step failed")
+        return super().next_logits(tokens)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_drafter_that_fails_ends_the_generation_with_its_error(tiny, endless, mode) -> None:
+    """Sync: the server waited for drafts that never came, and the edge reported a stalled
+    server after its stall timeouts and retries. Async: the server finished alone, and only
+    then did the drafter's error come out."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    drafter = FailingDrafter(tiny.draft_dir)
+    commits: list[int] = []
+    cfg = EdgeConfig(mode=mode, max_new_tokens=240, branch_tokens=0)  # no branches: every step through next_logits
+    with pytest.raises(RuntimeError, match="the drafter's step failed"):
+        asyncio.run(generate(endless, tok.encode("def add(a, b):"), cfg, drafter=drafter, fingerprint=tok.fingerprint,
+                             on_commit=lambda generated: commits.append(len(generated)),
+                             connect=ConnectOptions(stall_timeout_s=30, retries=0)))
+    assert drafter.calls == 3 and (not commits or commits[-1] < 240)

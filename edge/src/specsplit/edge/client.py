@@ -280,7 +280,7 @@ class _Generation:
         next generation; after a failure the call is cancelled."""
         t0 = self._t0
         self._stream = stream
-        drafting = None
+        drafting = reading = None
         try:
             opened = await self._open(stream)
             if self.stats.opened_s is None:  # an earlier attempt's Opened was the first
@@ -295,13 +295,21 @@ class _Generation:
             window = self._k if self.cfg.mode == "sync" else self._lookahead()
             self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
             drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
-            await self._read_loop(stream.call, t0)
+            reading = asyncio.create_task(self._read_loop(stream.call, t0))
+            if drafting is not None:
+                # A drafter that fails ends the generation at once, with its own error: the
+                # server would wait for drafts that never come (sync) or finish alone (async).
+                await asyncio.wait((reading, drafting), return_when=asyncio.FIRST_EXCEPTION)
+                if drafting.done() and (failure := drafting.exception()) is not None:
+                    raise failure
+            await reading
             if drafting is not None:
                 await drafting  # Done arrived: the drafting loop sees it and stops
         except BaseException:
-            if drafting is not None:
-                drafting.cancel()
-                await asyncio.gather(drafting, return_exceptions=True)
+            running = [task for task in (reading, drafting) if task is not None]
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
             stream.abort()
             raise
         finally:
