@@ -228,3 +228,46 @@ def test_a_drafter_that_fails_ends_the_generation_with_its_error(tiny, endless, 
                              on_commit=lambda generated: commits.append(len(generated)),
                              connect=ConnectOptions(stall_timeout_s=30, retries=0)))
     assert drafter.calls == 3 and (not commits or commits[-1] < 240)
+
+
+def test_a_resumed_generation_counts_only_what_it_generated(tiny, endless) -> None:
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("def add(a, b):")
+    result = asyncio.run(generate(endless, ids, EdgeConfig(mode="none", max_new_tokens=12), fingerprint=tok.fingerprint,
+                                  committed_ids=[5, 6, 7, 8, 9]))
+    assert result.tokens[:5] == [5, 6, 7, 8, 9] and len(result.tokens) == 12
+    assert result.stats.tokens == len(result.commit_times) == 7  # was 12 tokens against 7 commit times
+
+
+def test_library_inputs_the_protocol_cannot_carry_are_refused_before_any_call(tiny) -> None:
+    tok = EdgeTokenizer(str(tiny.draft_dir))  # a str as well as a Path, as OnnxDrafter takes
+    with pytest.raises(ConfigError, match="max_new_tokens must be below 2\\*\\*32"):
+        EdgeConfig(max_new_tokens=2**33)  # was protobuf's error, after the call had begun
+    with pytest.raises(ValueError, match="draft_model must be a str"):
+        asyncio.run(generate(NOWHERE, [1, 2], EdgeConfig(mode="none"), draft_model=tiny.draft_dir))
+    with pytest.raises(ValueError, match="retries=1 leaves no attempt for the last of the 3 servers"):
+        asyncio.run(generate([NOWHERE] * 3, [1, 2], EdgeConfig(mode="none"), connect=ConnectOptions(retries=1)))
+    assert tok.encode("hi")
+
+
+def test_a_numpy_seed_samples_as_its_int(tiny, server) -> None:
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("import numpy")
+    results = [asyncio.run(generate(server, ids, EdgeConfig(mode="sync", max_new_tokens=6, sampling=SamplingParams(
+        temperature=1.0, seed=seed)), drafter=OnnxDrafter(tiny.draft_dir), fingerprint=tok.fingerprint)).tokens
+        for seed in (np.int64(2**62), 2**62)]  # the numpy one overflowed in the edge's own seed
+    assert results[0] == results[1]
+
+
+def test_the_drafters_logits_are_read_only_and_its_inputs_checked(tiny) -> None:
+    drafter = OnnxDrafter(tiny.draft_dir)
+    logits = drafter.next_logits([5, 6, 7])
+    with pytest.raises(ValueError, match="read-only"):
+        logits[:] = 0  # would have been what the next call for [5, 6, 7] returned
+    assert drafter.next_logits([5, 6, 7]) is logits
+    for bad, message in (([], "at least one token"), ([5, -1], "token id -1 is outside"),
+                         ([5, 10**6], "token id 1000000 is outside")):
+        with pytest.raises(ValueError, match=message):
+            drafter.next_logits(bad)
+        with pytest.raises(ValueError, match=message):
+            drafter.next_logits_batch([[5, 6], bad])

@@ -156,6 +156,8 @@ class EdgeConfig:
             value = getattr(self, name)
             if not _whole(value) or value < least:
                 raise ConfigError(name, f"must be a whole number of at least {least}, got {value!r}")
+        if self.max_new_tokens >= 2**32:  # the protocol's uint32
+            raise ConfigError("max_new_tokens", f"must be below 2**32, got {self.max_new_tokens}")
         if not _whole(self.branches) or not 0 <= self.branches <= MAX_BRANCHES:
             raise ConfigError("branches", f"must be 0 (none) to {MAX_BRANCHES}, the branches the drafter keeps "
                               f"caches for, got {self.branches!r}")
@@ -178,6 +180,10 @@ class EdgeConfig:
 
 @dataclass
 class GenerationResult:
+    """`tokens`: everything generated after the prompt, a resumed generation's committed_ids
+    first. `commit_times` (seconds from the call's start) and `stats` (its `tokens` and
+    `tokens_per_s` too) cover what this call generated: the tokens after those."""
+
     tokens: list[int]
     stats: GenerationStats
     opened: Opened | None = None
@@ -191,6 +197,7 @@ class _Record:
     from the first attempt's start and its counts go on from the attempts before."""
 
     stats: GenerationStats
+    resumed: int = 0  # the caller's committed_ids: generated before this call, not by it
     t0: float = field(default_factory=time.perf_counter)
     commit_times: list[float] = field(default_factory=list)
     timeline: list[tuple] = field(default_factory=list)
@@ -234,6 +241,7 @@ class _Generation:
         self.commit_times = record.commit_times
         self.timeline = record.timeline
         self._t0 = record.t0
+        self._resumed = record.resumed
         self.edge: EdgeSession | None = None
         self._changed = asyncio.Event()
         self._verdicts = 0
@@ -320,7 +328,7 @@ class _Generation:
             if self.edge is not None:
                 self.stats.add_drafting(self.edge)
         assert self.edge is not None
-        self.stats.finish(len(self.edge.generated), time.perf_counter() - t0, self.commit_times)
+        self.stats.finish(len(self.edge.generated) - self._resumed, time.perf_counter() - t0, self.commit_times)
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
     async def _open(self, stream: GenerateStream) -> Opened:
@@ -580,10 +588,16 @@ async def generate(
     prompt_ids, committed = token_ids(prompt_ids, "prompt_ids"), token_ids(committed_ids, "committed_ids")
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: a generation needs a prompt")
+    for name, value in (("draft_model", draft_model), ("fingerprint", fingerprint)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a str, got {value!r}")
+    if isinstance(via, Sequence) and len(via) > connect.retries + 1:
+        raise ValueError(f"retries={connect.retries} leaves no attempt for the last of the {len(via)} servers "
+                         "(a failover is a retry)")
     # A kept stream is the generation's from its first attempt to its last: another one
     # taking it during a retry's backoff would leave the retry nothing to re-open on.
     backoff = connect.backoff_s
-    record = _Record(GenerationStats(mode=cfg.mode))
+    record = _Record(GenerationStats(mode=cfg.mode), resumed=len(committed))
     with via.carrying() if isinstance(via, GenerateStream) else contextlib.nullcontext():
         for attempt in range(connect.retries + 1):
             gen = _Generation(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit, record)

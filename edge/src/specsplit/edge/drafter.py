@@ -51,6 +51,12 @@ HOLES_KEPT = 16  # padding columns a line's cache may carry before a single-row 
 BRANCHES = 2  # branches beside the main line that the drafter keeps a cache for
 
 
+def _read_only(logits: np.ndarray) -> np.ndarray:
+    """Cached logits are handed out as they are, to every caller that asks again."""
+    logits.flags.writeable = False
+    return logits
+
+
 class OnnxDrafter:
     # The main line, its branches, and the old line a rollback of any forks off: with one
     # fewer, a rollback of one line pushed another's cache out, and it was fed again whole.
@@ -121,9 +127,20 @@ class OnnxDrafter:
         return keep
 
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
-        """Logits for the token after `trajectory`, reusing the cached common prefix."""
+        """Logits for the token after `trajectory`, reusing the cached common prefix. The
+        array is the cache's own, read-only: the next call for the same trajectory returns it."""
+        self._check(trajectory)
         with self._lock:
             return self._next_logits(trajectory)
+
+    def _check(self, trajectory: Sequence[int]) -> None:
+        """ValueError for what the model cannot take: ONNX Runtime's Gather would read a
+        negative id from the vocabulary's end, and an empty trajectory has no next token."""
+        if len(trajectory) == 0:
+            raise ValueError("a trajectory needs at least one token")
+        if not 0 <= min(trajectory) <= max(trajectory) < self.meta.vocab_size:
+            bad = next(t for t in trajectory if not 0 <= t < self.meta.vocab_size)
+            raise ValueError(f"token id {bad} is outside the draft's vocabulary [0, {self.meta.vocab_size})")
 
     def _next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
         cache, common = self._cache_for(trajectory)
@@ -145,7 +162,7 @@ class OnnxDrafter:
         logits, *present = self._session.run(None, feed)
         cache.past, cache.mask, cache.batch = present, mask, None
         cache.tokens = list(trajectory)
-        cache.last_logits = logits[0, -1].astype(np.float64)
+        cache.last_logits = _read_only(logits[0, -1].astype(np.float64))
         return cache.last_logits
 
     def next_logits_batch(self, trajectories: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -154,6 +171,8 @@ class OnnxDrafter:
         batch, one row each, which costs far less than a run per row (two rows about 1.15
         one-row runs here, 4-bit weights; 1.25 int8), since the weights are read once; the
         shorter caches are padded, and the mask hides the padding."""
+        for trajectory in trajectories:
+            self._check(trajectory)
         with self._lock:
             return self._next_logits_batch(trajectories)
 
@@ -189,7 +208,7 @@ class OnnxDrafter:
             cache.past = [p[row : row + 1] for p in present]
             cache.mask, cache.batch = masks[row], (present, row)
             cache.tokens = list(trajectory)
-            cache.last_logits = logits[row, -1].astype(np.float64)
+            cache.last_logits = _read_only(logits[row, -1].astype(np.float64))
         return [c.last_logits for c, _ in caches]  # type: ignore[misc]
 
     @staticmethod

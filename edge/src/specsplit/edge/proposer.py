@@ -20,7 +20,7 @@ class Proposer:
         self.mode = mode
         self.sampling = sampling
         self.sparse_top_k = sparse_top_k
-        self._seed = (sampling.seed + EDGE_SEED_OFFSET) % 2**64
+        self._seed = (int(sampling.seed) + EDGE_SEED_OFFSET) % 2**64  # int: a numpy seed would overflow
 
     def propose(self, logits: np.ndarray, position: int) -> tuple[int, SparseDist | None]:
         if self.mode is VerificationMode.GREEDY:

@@ -56,7 +56,8 @@ def chat_environment() -> ImmutableSandboxedEnvironment:
 
 
 class EdgeTokenizer:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: str | Path) -> None:
+        directory = Path(directory)
         path = directory / "tokenizer.json"
         if not directory.is_dir():
             what = "is not a directory" if directory.exists() else "does not exist"
