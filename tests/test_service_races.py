@@ -48,14 +48,14 @@ class _Context:
 
 
 def test_an_open_read_as_the_wait_for_it_runs_out_is_served(monkeypatch) -> None:
-    """wait_for gives up, and before the handler sees it the reader takes the Open (the
+    """The timed wait gives up, and before the handler sees it the reader takes the Open (the
     window between a timeout and its cancelled get): the session is served, not dropped."""
     arrived = asyncio.Event()
-    real_wait_for = asyncio.wait_for
+    real_within = service.within
 
-    async def wait_for_then_open(fut, timeout):  # type: ignore[no-untyped-def]
+    async def within_then_open(fut, timeout):  # type: ignore[no-untyped-def]
         try:
-            return await real_wait_for(fut, timeout)
+            return await real_within(fut, timeout)
         except asyncio.TimeoutError:
             arrived.set()
             for _ in range(5):
@@ -74,7 +74,7 @@ def test_an_open_read_as_the_wait_for_it_runs_out_is_served(monkeypatch) -> None
         await stream.aclose()  # the edge goes away
         return pb.ServerMessage.FromString(first.SerializeToString()).WhichOneof("kind"), len(worker.sessions)
 
-    monkeypatch.setattr(service.asyncio, "wait_for", wait_for_then_open)
+    monkeypatch.setattr(service, "within", within_then_open)
     assert asyncio.run(main()) == ("opened", 0)
 
 
