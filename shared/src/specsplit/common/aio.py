@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -29,7 +28,6 @@ async def within(awaitable: Awaitable[T], timeout: float | None) -> T:
         raise
     if not done:
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task})  # raises only for a cancellation of the caller's own
         raise asyncio.TimeoutError
     return task.result()
