@@ -36,7 +36,7 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "impo
 
 async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, proc: psutil.Process) -> dict:
     tok = EdgeTokenizer(draft_dir)
-    prompts = [tok.encode(p) for p in PROMPTS]
+    prompts = [tok.encode(p, add_special_tokens=True) for p in PROMPTS]  # raw, as the edge sends them with --raw
     errors: collections.Counter = collections.Counter()
     done = tokens = 0
     memory: list[tuple[float, int]] = []

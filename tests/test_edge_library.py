@@ -186,9 +186,11 @@ def test_a_cancelled_generation_stops(tiny, endless, mode) -> None:
     drafter = OnnxDrafter(tiny.draft_dir) if mode != "none" else None
 
     async def cancelled_mid_way(delay: float) -> bool | None:
-        task = asyncio.create_task(generate(endless, ids, EdgeConfig(mode=mode, max_new_tokens=240),
-                                            drafter=drafter, fingerprint=tok.fingerprint))
-        await asyncio.sleep(delay)
+        flowing = asyncio.Event()
+        task = asyncio.create_task(generate(endless, ids, EdgeConfig(mode=mode, max_new_tokens=240), drafter=drafter,
+                                            fingerprint=tok.fingerprint, on_commit=lambda _: flowing.set()))
+        await flowing.wait()
+        await asyncio.sleep(delay)  # from outside, while verdicts arrive
         if task.done():
             return None  # over before the cancellation (a fast machine): nothing to learn
         task.cancel()
@@ -198,7 +200,7 @@ def test_a_cancelled_generation_stops(tiny, endless, mode) -> None:
             return True
         return False
 
-    kept = [asyncio.run(cancelled_mid_way(0.02 + 0.01 * i)) for i in range(10)]  # a whole one took 0.2 s or more
+    kept = [asyncio.run(cancelled_mid_way(0.005 * i)) for i in range(10)]  # a whole one took 0.2 s or more
     assert False not in kept and True in kept, kept
 
 

@@ -198,7 +198,8 @@ def test_edge_runs_without_torch_or_transformers(tiny, server) -> None:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     tok = EdgeTokenizer(tiny.draft_dir)
-    assert out["token_ids"] == reference(str(tiny.target_dir), tok.encode("The quick brown fox"), 12)
+    raw = tok.encode("The quick brown fox", add_special_tokens=True)  # as --raw sends it
+    assert out["token_ids"] == reference(str(tiny.target_dir), raw, 12)
 
 
 def test_edge_cli_streams_text_and_stats(tiny, server) -> None:
@@ -221,7 +222,8 @@ def test_edge_cli_generates_each_line_of_its_input_on_one_stream(tiny, server) -
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     tok = EdgeTokenizer(tiny.draft_dir)
-    assert [line["token_ids"] for line in lines] == [reference(str(tiny.target_dir), tok.encode(p), 8) for p in prompts]
+    raw = [tok.encode(p, add_special_tokens=True) for p in prompts]
+    assert [line["token_ids"] for line in lines] == [reference(str(tiny.target_dir), ids, 8) for ids in raw]
     first = lines[0]["session_id"]
     assert lines[1]["session_id"] == f"{first}.2"  # the second opened on the first one's stream
     assert [(line["line"], line["prompt"]) for line in lines] == [(1, prompts[0]), (3, prompts[1])]
@@ -241,7 +243,8 @@ def test_a_prompt_the_server_refuses_does_not_end_the_others(tiny, server) -> No
     assert [line["line"] for line in lines] == [1, 2, 3]
     assert lines[1]["error"].startswith("OUT_OF_RANGE: prompt of") and "token_ids" not in lines[1]
     tok = EdgeTokenizer(tiny.draft_dir)
-    assert lines[2]["token_ids"] == reference(str(tiny.target_dir), tok.encode("def add(a, b):"), 8)
+    raw = tok.encode("def add(a, b):", add_special_tokens=True)
+    assert lines[2]["token_ids"] == reference(str(tiny.target_dir), raw, 8)
     assert "error: line 2: OUT_OF_RANGE" in proc.stderr and "error: 1 of the prompts failed" in proc.stderr
 
 
@@ -304,3 +307,35 @@ def test_edge_cli_says_in_one_line_when_its_answer_cannot_be_written(tiny, serve
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: writing the answer to standard output failed:") and says in lines[0]
+
+
+FULL_MID_ANSWER = """
+import errno, sys
+from specsplit.edge import cli
+
+class FillsUp:
+    def __init__(self, out):
+        self.out, self.writes = out, 0
+    def write(self, text):
+        self.writes += 1
+        if self.writes > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.out.write(text)
+    def flush(self):
+        self.out.flush()
+
+real = cli.TextStream.__init__
+cli.TextStream.__init__ = lambda self, tokenizer, out=None: real(self, tokenizer, FillsUp(sys.stdout))
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_edge_cli_says_in_one_line_when_its_disk_fills_mid_answer(tiny, server) -> None:
+    """The line the answer had begun was ended on the full disk as well: that second failure
+    replaced the first, and the run ended as a usage error (exit 2)."""
+    proc = subprocess.run([sys.executable, "-c", FULL_MID_ANSWER, "generate", "--server", server, "--draft",
+                           str(tiny.draft_dir), "--max-new-tokens", "12", "--mode", "none", "--raw", "The quick brown fox"],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0] == "error: writing the answer to standard output failed: [Errno 28] No space left on device"

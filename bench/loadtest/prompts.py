@@ -37,7 +37,8 @@ def load_prompts(tokenizer_dir: Path, prompt_set: str = "stubs") -> PromptSet:
         raise ValueError(f"prompt set must be one of {tuple(PROMPT_SETS)}, got {prompt_set!r}")
     edge = EdgeTokenizer(tokenizer_dir)
     if prompt_set == "stubs":
-        return PromptSet(STUBS, tuple(tuple(edge.encode(t)) for t in STUBS), edge.fingerprint)
+        raw = tuple(tuple(edge.encode(t, add_special_tokens=True)) for t in STUBS)  # as --raw sends them
+        return PromptSet(STUBS, raw, edge.fingerprint)
     if not edge.chat_template:
         raise ValueError(f"the benchmark's prompts need a chat template; {tokenizer_dir} has none (use stubs)")
     texts = tuple(p["text"] for p in benchmark_prompts())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import json
@@ -181,8 +182,9 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
                                         fingerprint=tokenizer.fingerprint, draft_model=str(directory),
                                         on_commit=shown, connect=connect)
             except BaseException as exc:
-                if shown is not None:
-                    shown.end_line()  # the error or the next prompt follows on a line of its own
+                if shown is not None:  # the error or the next prompt follows on a line of its own
+                    with contextlib.suppress(OSError, UnicodeEncodeError):  # unless stdout is what failed
+                        shown.end_line()
                 if line is None or not (problem := _prompts_own(exc)):
                     raise
                 failed += 1  # this prompt's fault: the next may go
@@ -201,8 +203,10 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
     return 1 if failed else 0
 
 
-# What the server refuses in one prompt (too long for its context, say) rather than in every one.
-PROMPT_REFUSALS = (grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT)
+# What the server refuses in one prompt (too long for its context) rather than in every one:
+# its INVALID_ARGUMENTs (a token outside the vocabulary, max_new_tokens over its limit) come
+# from the edge's settings or its draft, and would come again for every prompt.
+PROMPT_REFUSALS = (grpc.StatusCode.OUT_OF_RANGE,)
 
 
 def _prompts_own(exc: BaseException) -> str | None:
@@ -261,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", metavar="FILE",
                    help="instead of PROMPT: generate for each line of FILE in turn ('-': standard input, a line "
                    "at a time as it is typed), all on one kept stream; --json and --stats-json then give a "
-                   "JSON line per prompt, with its line number. A prompt the server refuses (too long, say) "
+                   "JSON line per prompt, with its line number. A prompt the server refuses as too long, or the "
+                   "chat template refuses, "
                    "gets an error line (and a JSON line with its error) and the rest go on; the exit status "
                    "is then 1")
     g.add_argument("--server", required=True,

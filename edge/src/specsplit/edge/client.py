@@ -198,6 +198,7 @@ class _Record:
 
     stats: GenerationStats
     resumed: int = 0  # the caller's committed_ids: generated before this call, not by it
+    warned_k: bool = False  # that sync's k is past what the server takes
     t0: float = field(default_factory=time.perf_counter)
     commit_times: list[float] = field(default_factory=list)
     timeline: list[tuple] = field(default_factory=list)
@@ -236,12 +237,13 @@ class _Generation:
             committed_ids=tuple(self.committed_ids),
         )
         self.proposer = Proposer(self.request.resolved_mode(), cfg.sampling, cfg.sparse_top_k)
-        record = record or _Record(GenerationStats(mode=cfg.mode))
+        record = record or _Record(GenerationStats(mode=cfg.mode), resumed=len(committed_ids))
         self.stats = record.stats
         self.commit_times = record.commit_times
         self.timeline = record.timeline
         self._t0 = record.t0
         self._resumed = record.resumed
+        self._record = record
         self.edge: EdgeSession | None = None
         self._changed = asyncio.Event()
         self._verdicts = 0
@@ -297,7 +299,8 @@ class _Generation:
             self._server_lookahead = opened.max_lookahead
             if self.cfg.mode == "sync":
                 self._k = min(self.cfg.k, opened.max_lookahead, MAX_CHUNK)
-                if self._k < self.cfg.k:
+                if self._k < self.cfg.k and not self._record.warned_k:  # once a generation, not each attempt
+                    self._record.warned_k = True
                     log.warning("sync: k %d is past what the server takes at once; drafting %d per round",
                                 self.cfg.k, self._k)
             window = self._k if self.cfg.mode == "sync" else self._lookahead()

@@ -40,7 +40,9 @@ class GenerationStats:
     itl_p99_ms: float = 0.0
     # the server's time on this session's verifications (of an attempt a retry interrupted, unknown: not counted)
     target_busy_s: float = 0.0
-    server_idle_fraction: float = 0.0  # of the generation's wall time, the target did not work for it
+    # of the generation's wall time, the target did not work for it (an attempt a retry
+    # interrupted counts as idle: its busy time is unknown)
+    server_idle_fraction: float = 0.0
     reconnects: int = 0  # streams re-opened after a lost server or network
 
     def add_verdict(self, v: Verdict, elapsed_s: float) -> None:

@@ -19,7 +19,8 @@ TEMPLATE_FAILED = "the chat template failed on this prompt"
 
 
 def _raise(message: str) -> None:
-    raise ValueError(message)
+    """The template's own refusal of a prompt (`raise_exception`)."""
+    raise ValueError(f"{TEMPLATE_FAILED}: {message}")
 
 
 def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
@@ -109,5 +110,5 @@ class EdgeTokenizer:
         try:
             return self._template.render(messages=[{"role": "user", "content": user_text}],
                                          add_generation_prompt=True, **self._special)
-        except TemplateError as exc:  # raise_exception's ValueError passes as it is
+        except TemplateError as exc:  # raise_exception's ValueError, which says so itself, passes as it is
             raise ValueError(f"{TEMPLATE_FAILED} ({exc})") from None
