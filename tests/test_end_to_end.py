@@ -339,3 +339,24 @@ def test_edge_cli_says_in_one_line_when_its_disk_fills_mid_answer(tiny, server) 
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert lines[0] == "error: writing the answer to standard output failed: [Errno 28] No space left on device"
+
+
+def test_a_prompt_the_chat_template_refuses_does_not_end_the_others(tiny, server, tmp_path) -> None:
+    import shutil
+
+    from tiny_models import CHAT_TEMPLATE
+
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny.draft_dir, draft)
+    (draft / "chat_template.jinja").write_text(
+        "{% if 'forbidden' in messages[0]['content'] %}{{ raise_exception('no forbidden words') }}{% endif %}"
+        + CHAT_TEMPLATE)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(draft),
+         "--max-new-tokens", "4", "--json", "--prompts-file", "-"],
+        input="hello\na forbidden one\nbye\n", capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["line"] for line in lines] == [1, 2, 3] and "token_ids" in lines[2]
+    assert lines[1]["error"] == "the chat template failed on this prompt: no forbidden words"
