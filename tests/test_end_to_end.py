@@ -202,23 +202,24 @@ def test_edge_runs_without_torch_or_transformers(tiny, server) -> None:
     assert out["token_ids"] == reference(str(tiny.target_dir), raw, 12)
 
 
+def edge_cli(server: str, draft, *args: str, **run: object) -> subprocess.CompletedProcess:  # type: ignore[no-untyped-def]
+    """`specsplit-edge generate --server SERVER --draft DRAFT ARGS...` as a process of its own."""
+    run.setdefault("stdout", subprocess.PIPE)
+    run.setdefault("stderr", subprocess.PIPE)
+    return subprocess.run([sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft",
+                           str(draft), *args], text=True, timeout=120, **run)  # type: ignore[call-overload]
+
+
 def test_edge_cli_streams_text_and_stats(tiny, server) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
-         "--max-new-tokens", "10", "--mode", "sync", "hello"],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = edge_cli(server, tiny.draft_dir, "--max-new-tokens", "10", "--mode", "sync", "hello")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("[sync] 10 tokens")  # beside the text, not in it
 
 
 def test_edge_cli_generates_each_line_of_its_input_on_one_stream(tiny, server) -> None:
     prompts = ["The quick brown fox", "def add(a, b):"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
-         "--max-new-tokens", "8", "--json", "--raw", "--prompts-file", "-"],
-        input=f"{prompts[0]}\n\n{prompts[1]}\n", capture_output=True, text=True, timeout=120,
-    )
+    proc = edge_cli(server, tiny.draft_dir, "--max-new-tokens", "8", "--json", "--raw", "--prompts-file", "-",
+                    input=f"{prompts[0]}\n\n{prompts[1]}\n")
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     tok = EdgeTokenizer(tiny.draft_dir)
@@ -233,11 +234,8 @@ def test_a_prompt_the_server_refuses_does_not_end_the_others(tiny, server) -> No
     """One prompt too long for the target's context: an error on its line, a JSON line in its
     place, the prompts after it still generated, and exit status 1."""
     too_long = " ".join(["word"] * 400)
-    proc = subprocess.run(
-        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
-         "--max-new-tokens", "8", "--json", "--raw", "--prompts-file", "-"],
-        input=f"hello\n{too_long}\ndef add(a, b):\n", capture_output=True, text=True, timeout=120,
-    )
+    proc = edge_cli(server, tiny.draft_dir, "--max-new-tokens", "8", "--json", "--raw", "--prompts-file", "-",
+                    input=f"hello\n{too_long}\ndef add(a, b):\n")
     assert proc.returncode == 1, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [line["line"] for line in lines] == [1, 2, 3]
@@ -280,11 +278,7 @@ def test_edge_cli_stops_quietly_when_its_reader_goes(tiny, server) -> None:
     read, write = os.pipe()
     os.close(read)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
-             "--max-new-tokens", "8", "--raw", "hello"],
-            stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
-        )
+        proc = edge_cli(server, tiny.draft_dir, "--max-new-tokens", "8", "--raw", "hello", stdout=write)
     finally:
         os.close(write)
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
@@ -299,11 +293,8 @@ def test_edge_cli_says_in_one_line_when_its_answer_cannot_be_written(tiny, serve
     if stdout is not None and not os.path.exists(stdout):
         pytest.skip(f"{stdout} is not on this system")
     with open(stdout or tmp_path / "out.txt", "w") as out:
-        proc = subprocess.run(
-            [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(tiny.draft_dir),
-             "--max-new-tokens", "8", "--raw", "héllo ünïcode"],
-            stdout=out, stderr=subprocess.PIPE, text=True, timeout=120, env={**os.environ, **env},
-        )
+        proc = edge_cli(server, tiny.draft_dir, "--max-new-tokens", "8", "--raw", "héllo ünïcode", stdout=out,
+                        env={**os.environ, **env})
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: writing the answer to standard output failed:") and says in lines[0]
@@ -351,11 +342,8 @@ def test_a_prompt_the_chat_template_refuses_does_not_end_the_others(tiny, server
     (draft / "chat_template.jinja").write_text(
         "{% if 'forbidden' in messages[0]['content'] %}{{ raise_exception('no forbidden words') }}{% endif %}"
         + CHAT_TEMPLATE)
-    proc = subprocess.run(
-        [sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", server, "--draft", str(draft),
-         "--max-new-tokens", "4", "--json", "--prompts-file", "-"],
-        input="hello\na forbidden one\nbye\n", capture_output=True, text=True, timeout=120,
-    )
+    proc = edge_cli(server, draft, "--max-new-tokens", "4", "--json", "--prompts-file", "-",
+                    input="hello\na forbidden one\nbye\n")
     assert proc.returncode == 1, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [line["line"] for line in lines] == [1, 2, 3] and "token_ids" in lines[2]
