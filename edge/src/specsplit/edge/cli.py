@@ -36,7 +36,7 @@ from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import TEMPLATE_FAILED, EdgeTokenizer
 from specsplit.protocol.errors import ProtocolError
-from specsplit.protocol.messages import SamplingParams, VerificationMode
+from specsplit.protocol.messages import MAX_CHUNK, SamplingParams, VerificationMode
 
 VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MATCH, "sparse-q": VerificationMode.SPARSE_Q}
 
@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT of the specsplit server; a comma-separated list fails over in order (the stream "
                    "stays on the server it failed over to)")
     g.add_argument("--draft", required=True, help="draft export directory (specsplit-server export-draft)")
-    g.add_argument("--mode", choices=sorted(MODES), default="async", help="async (default), sync or none")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    g.add_argument("--mode", choices=sorted(MODES), default=EdgeConfig.mode, help="async (default), sync or none")
+    g.add_argument("--max-new-tokens", type=int, default=EdgeConfig.max_new_tokens, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float, default=1.0,
                    help="sample among the likeliest tokens that make up this much probability (1: all)")
@@ -284,14 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "with sparse-q the same distribution")
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
                    help="greedy (the default at temperature 0); sampled: match (the default above it) or sparse-q")
-    g.add_argument("--sparse-top-k", type=int, default=8, help="draft distribution size in sparse-q mode")
-    g.add_argument("--window", type=int, default=32,
+    g.add_argument("--sparse-top-k", type=int, default=EdgeConfig.sparse_top_k, help="draft distribution size in sparse-q mode")
+    g.add_argument("--window", type=int, default=EdgeConfig.window,
                    help="async: drafts allowed ahead of the committed point; with the adaptive window, at most this many")
-    g.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=EdgeConfig.adaptive_window,
                    help="async: draft ahead as far as the acceptance seen so far makes worthwhile (two expected "
                    "runs of accepted drafts, at least 4, at most --window); --no-adaptive-window drafts --window "
                    "ahead always")
-    g.add_argument("--k", type=int, default=4, help="sync: drafts per round (at most the server's lookahead and 64: more are drafted as that many)")
+    g.add_argument("--k", type=int, default=EdgeConfig.k, help="sync: drafts per round (at most the server's lookahead "
+                   f"and {MAX_CHUNK}: more are drafted as that many)")
     g.add_argument("--branch-tokens", type=int, default=EdgeConfig.branch_tokens,
                    help="async, greedy: beside its drafts, draft branches of up to this many tokens from the "
                    f"drafter's runner-up where rejections are likeliest (if that chance is at least {MIN_CHANCE}), "
@@ -311,10 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name the server's certificate holds, where --server dials it by another (an IP address)")
     g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
     g.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
-    g.add_argument("--retries", type=int, default=5, help="re-opens after a lost server or stream, or a full one that says when to "
+    g.add_argument("--retries", type=int, default=ConnectOptions.retries, help="re-opens after a lost server or stream, or a full one that says when to "
                    "try again (resumes, on the next --server if there are several: a failover is a retry, so give "
                    "at least one fewer than the servers)")
-    g.add_argument("--stall-timeout", type=float, default=60.0,
+    g.add_argument("--stall-timeout", type=float, default=ConnectOptions.stall_timeout_s,
                    help="seconds without a message from the server before the stream counts as lost")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
     g.add_argument("--stats-json", metavar="FILE", help="also write stats, text, token ids and commit times to FILE")
@@ -350,9 +351,6 @@ def check_args(args: argparse.Namespace) -> None:
     args.servers = server_list(args.server)
     if args.threads < 0:
         raise ValueError(f"--threads must be at least 0, got {args.threads}")
-    if args.retries >= 0 and len(args.servers) > args.retries + 1:
-        raise ValueError(f"--retries {args.retries} leaves no attempt for the last of the {len(args.servers)} "
-                         f"servers given (a failover is a retry): give --retries {len(args.servers) - 1} or more")
     if args.timeline and not args.stats_json:
         raise ValueError("--timeline is written to --stats-json: give that too")
     if args.prompt is not None and not args.prompt.strip():
@@ -372,6 +370,7 @@ def check_args(args: argparse.Namespace) -> None:
             tls_server_name=args.tls_server_name,
             token=os.environ.get("SPECSPLIT_TOKEN") or None, stall_timeout_s=args.stall_timeout, retries=args.retries,
         )
+        args.connect.check_servers(len(args.servers))
     except ConfigError as exc:
         field = exc.field.removeprefix("sampling.")  # sampling.top_p: --top-p
         raise ValueError(f"{FLAGS.get(field, '--' + field.replace('_', '-'))} {exc.problem}") from None

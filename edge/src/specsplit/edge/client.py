@@ -129,6 +129,12 @@ class ConnectOptions:
         if not _real(self.backoff_s) or not 0 <= self.backoff_s < math.inf:
             raise ConfigError("backoff_s", f"must be 0 or more, got {self.backoff_s!r}")
 
+    def check_servers(self, servers: int) -> None:
+        """ConfigError unless the attempts reach every one of `servers` failed over along."""
+        if servers > self.retries + 1:
+            raise ConfigError("retries", f"{self.retries} leaves no attempt for the last of the {servers} servers "
+                              f"(a failover is a retry): give {servers - 1} or more")
+
 
 @dataclass(frozen=True)
 class EdgeConfig:
@@ -221,8 +227,6 @@ class _Generation:
         self.drafter = drafter
         self.prompt_ids = list(prompt_ids)
         self.cfg = cfg
-        self.fingerprint = fingerprint
-        self.draft_model = draft_model
         self.committed_ids = list(committed_ids)
         self.on_commit = on_commit
         self.request = OpenRequest(
@@ -594,9 +598,8 @@ async def generate(
     for name, value in (("draft_model", draft_model), ("fingerprint", fingerprint)):
         if not isinstance(value, str):
             raise ValueError(f"{name} must be a str, got {value!r}")
-    if isinstance(via, Sequence) and len(via) > connect.retries + 1:
-        raise ValueError(f"retries={connect.retries} leaves no attempt for the last of the {len(via)} servers "
-                         "(a failover is a retry)")
+    if isinstance(via, Sequence):
+        connect.check_servers(len(via))
     # A kept stream is the generation's from its first attempt to its last: another one
     # taking it during a retry's backoff would leave the retry nothing to re-open on.
     backoff = connect.backoff_s

@@ -263,13 +263,18 @@ class TargetEngine:
         return cache_from_tensors([(batch[layer, 0], batch[layer, 1]) for layer in range(layers)])
 
 
-def warm_up(engine: Engine, prompt_tokens: int = 32, drafts: int = 4) -> None:
+# The warm-up's prompt and drafts: its passes need 38 positions of a slot (serve_checks.MIN_STATIC_LEN).
+WARM_UP_PROMPT = 32
+WARM_UP_DRAFTS = 4
+
+
+def warm_up(engine: Engine) -> None:
     """Run a prefill, a one-token step and a verification on a throwaway session before
     serving. The first passes of a fresh process pay for paging the weights in and for the
     math library's first calls (seconds on a CPU); without this the first user's time to
     first token would carry them, and a benchmark's first run with it."""
     state = engine.new_state()
-    prompt = list(range(1, prompt_tokens + 1))
-    for prefix, proposed in ((prompt, []), (prompt + [1], []), (prompt + [1, 2], list(range(3, 3 + drafts)))):
+    prompt = list(range(1, WARM_UP_PROMPT + 1))
+    for prefix, proposed in ((prompt, []), (prompt + [1], []), (prompt + [1, 2], list(range(3, 3 + WARM_UP_DRAFTS)))):
         engine.verify_batch([VerifyItem(state, prefix, proposed, greedy=True)])
     state.crop(0)  # a static engine's slot goes back

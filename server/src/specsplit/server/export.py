@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # 1e-3 (logits of magnitude ~20); a broken graph is off by whole units.
 DEFAULT_TOLERANCE = 5e-3
 PARITY_PROMPTS = ["def fibonacci(n):", "Hello, world! How are", "import numpy as np\nx ="]
+OPSET = 17  # the ONNX opset the draft is exported at
 
 
 class ExportParityError(RuntimeError):
@@ -61,7 +62,7 @@ def kv_shape(config) -> tuple[int, int, int]:  # type: ignore[no-untyped-def]
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", heads), head_dim
 
 
-def _export_graph(loaded: LoadedModel, path: Path, opset: int) -> None:
+def _export_graph(loaded: LoadedModel, path: Path) -> None:
     layers, kv_heads, head_dim = kv_shape(loaded.model.config)
     wrapper = _KVWrapper(loaded.model, layers).eval()
     past_len, seq = 2, 3
@@ -89,7 +90,7 @@ def _export_graph(loaded: LoadedModel, path: Path, opset: int) -> None:
             input_names=["input_ids", "attention_mask", "position_ids", *past_names],
             output_names=["logits", *present_names],
             dynamic_axes=dynamic,
-            opset_version=opset,
+            opset_version=OPSET,
             dynamo=False,
         )
 
@@ -185,7 +186,6 @@ def export_draft(
     out_dir: Path,
     quantize: str = "none",
     tolerance: float = DEFAULT_TOLERANCE,
-    opset: int = 17,
 ) -> DraftExportMeta:
     """Export, check parity, optionally quantize, and write `out_dir` atomically."""
     if quantize not in QUANTIZATIONS:
@@ -199,8 +199,8 @@ def export_draft(
         work = Path(tmp)
         fp32 = work / "fp32" / MODEL_FILE
         fp32.parent.mkdir()
-        log.info("exporting to ONNX (opset %d)", opset)
-        _export_graph(loaded, fp32, opset)
+        log.info("exporting to ONNX (opset %d)", OPSET)
+        _export_graph(loaded, fp32)
         report = parity_check(loaded, fp32)
         log.info("parity: max |logit diff| %.2e, top-1 agreement %.3f", report.max_abs_diff, report.top1_agreement)
         if not report.max_abs_diff <= tolerance:

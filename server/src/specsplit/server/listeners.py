@@ -17,6 +17,9 @@ import grpc
 
 from specsplit.common.address import bracketed
 
+# gRPC's message size options are C ints.
+MAX_MESSAGE_BYTES = 2**31 - 1
+
 
 def check_listeners(count: int) -> None:
     if count < 1:

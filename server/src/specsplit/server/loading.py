@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from specsplit.common.fingerprint import vocab_fingerprint
 from specsplit.server.row_invariant import make_rows_invariant
-from specsplit.server.sources import local_source
+from specsplit.server.sources import file_sha256, local_source
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -152,14 +152,6 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
     if rows_invariant and device == "cpu" and dtype == "bf16":
         make_rows_invariant(model)
     return LoadedModel(model, tokenizer, path)
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def source_sha256(path: str) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specsplit.server.sources import local_source
+from specsplit.server.sources import file_sha256, local_source
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +96,6 @@ def cache_dir() -> Path:
     return Path(base) / "specsplit"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _verified_marker(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
@@ -118,7 +110,7 @@ def is_verified(path: Path, spec: ChunkedGGUF) -> bool:
         rec = json.loads(marker.read_text())
         if rec.get("sha256") == spec.sha256 and rec.get("mtime_ns") == path.stat().st_mtime_ns:
             return True
-    if sha256_file(path) != spec.sha256:
+    if file_sha256(path) != spec.sha256:
         return False
     marker.write_text(json.dumps({"sha256": spec.sha256, "mtime_ns": path.stat().st_mtime_ns}))
     return True

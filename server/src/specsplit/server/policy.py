@@ -76,6 +76,9 @@ def choose_drafts(available: int, limit: int, alpha: float, costs: PassCostModel
     return max(range(top + 1), key=lambda n: expected_tokens(n, alpha) / costs.cost(n))
 
 
+WAIT_STEP_S = 0.05  # the waits plan() weighs: 0, this, twice this, ... up to max_wait_s
+
+
 def plan(
     available: int,
     limit: int,
@@ -83,7 +86,6 @@ def plan(
     costs: PassCostModel,
     draft_rate: float,
     max_wait_s: float,
-    step_s: float = 0.05,
 ) -> tuple[int, float]:
     """(drafts to verify, seconds to wait first) with the most expected tokens per second.
 
@@ -94,8 +96,8 @@ def plan(
     if costs.known() < 2:
         return top, 0.0
     best_rate, best = -1.0, (top, 0.0)
-    for k in range(int(max_wait_s / step_s) + 1):
-        wait = k * step_s
+    for k in range(int(max_wait_s / WAIT_STEP_S) + 1):
+        wait = k * WAIT_STEP_S
         n = choose_drafts(min(limit, available + int(draft_rate * wait)), limit, alpha, costs)
         rate = expected_tokens(n, alpha) / (wait + costs.cost(n))
         if rate > best_rate * 1.0001:

@@ -566,7 +566,7 @@ class VerificationWorker:
             elif isinstance(event, Done):
                 event = dataclasses.replace(event, target_busy_s=handle.busy_s)
             handle.outbox.put_nowait(event)
-        if not s.candidates:
+        if not s.candidate_count:
             handle.idle_since = time.monotonic()
         if s.done is not None:
             self.remove(s.session_id)

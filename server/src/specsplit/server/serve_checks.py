@@ -12,13 +12,12 @@ from pathlib import Path
 
 from specsplit.common.tls import check_pem
 from specsplit.server.auth import load_tokens
-from specsplit.server.listeners import check_port_free
+from specsplit.server.listeners import MAX_MESSAGE_BYTES, check_port_free
 
 AT_LEAST_ONE = ("listeners", "max_batch_sessions", "max_batch_tokens", "max_sessions", "max_lookahead",
                 "max_new_tokens_limit", "max_message_bytes", "static_max_len", "max_verify_tokens")
 NOT_NEGATIVE = ("threads", "max_idle_streams", "idle_wait_ms", "max_wait_ms", "grace", "pace_tokens_per_s")
 POSITIVE = ("stalled_edge_timeout", "idle_stream_timeout", "gil_switch_ms")
-MAX_MESSAGE_BYTES = 2**31 - 1
 # A slot keeps the widest pass (32 tokens) free past a session's end, and the start's
 # warm-up passes (engine.warm_up) need 38 positions more; a shorter slot would not hold a
 # chat prompt anyway. (A constant here, tested against warm_up: this module imports no torch.)
@@ -43,7 +42,7 @@ def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
     for name in POSITIVE:
         if not 0 < getattr(args, name) < math.inf:
             raise ValueError(f"{_flag(name)} must be above 0, got {getattr(args, name)}")
-    if args.max_message_bytes > MAX_MESSAGE_BYTES:  # gRPC's option is a C int
+    if args.max_message_bytes > MAX_MESSAGE_BYTES:
         raise ValueError(f"--max-message-bytes must be at most {MAX_MESSAGE_BYTES}, got {args.max_message_bytes}")
     static = args.engine == "static" or (args.engine == "auto" and args.device == "cuda")  # as _serve resolves it
     if static and args.static_max_len < MIN_STATIC_LEN:

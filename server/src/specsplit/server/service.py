@@ -17,18 +17,17 @@ from grpc_reflection.v1alpha import reflection
 from specsplit.common.address import bracketed
 from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
-from specsplit.protocol.messages import MAX_CHUNK, Done, Opened, OpenRequest, ServerLimits, Verdict
+from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig
 from specsplit.server.engine import Engine
 from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
-from specsplit.server.listeners import bind_listeners, check_listeners
+from specsplit.server.listeners import MAX_MESSAGE_BYTES, bind_listeners, check_listeners
 from specsplit.server.log_throttle import LogThrottle, client_of
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.pace import PaceLog
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
-from specsplit.server.serve_checks import MAX_MESSAGE_BYTES
 from specsplit.server.sources import served_name
 from specsplit.v1 import specsplit_pb2 as pb
 
@@ -43,7 +42,6 @@ class ServeConfig:
     port: int = 50051
     max_sessions: int = 64
     max_lookahead: int = 64
-    max_chunk: int = MAX_CHUNK
     max_context: int | None = None  # None: the target's position limit
     max_new_tokens: int = 4096
     max_message_bytes: int = 1 << 20
@@ -81,7 +79,6 @@ def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
         vocab_size=engine.vocab_size,
         max_context=min(cfg.max_context or engine.max_context, engine.max_context),
         max_lookahead=cfg.max_lookahead,
-        max_chunk=cfg.max_chunk,
         max_new_tokens=cfg.max_new_tokens,
         eos_ids=loaded.eos_ids,
         target_model=cfg.model_name or served_name(loaded.name),

@@ -1,6 +1,8 @@
 """Where a model comes from: a local path or a hub id, by one rule for every command."""
 from __future__ import annotations
 
+import hashlib
+
 import os
 from pathlib import Path
 
@@ -33,3 +35,12 @@ def served_name(source: str) -> str:
         # abspath, not resolve: a link (a hub cache's snapshot file, say) keeps its own name.
         return Path(os.path.abspath(path)).name or source  # "/" has no name: say what was given
     return source
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file, read a block at a time."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()

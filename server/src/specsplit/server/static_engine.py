@@ -333,7 +333,8 @@ class StaticEngine:
             if len(it.drafts) + 1 > step:
                 raise ValueError(f"at most {step - 1} drafts per verification with the static engine")
             if len(it.prefix) + len(it.drafts) > self.max_context:
-                raise ValueError(f"{len(it.prefix) + len(it.drafts)} tokens do not fit a {self.max_len}-position KV slot")
+                raise ValueError(f"{len(it.prefix) + len(it.drafts)} tokens exceed the {self.max_context} positions a "
+                                 f"session may fill in a {self.max_len}-position KV slot")
             keep = state.reusable(it.prefix)
             state.crop(keep)
             if state.slot is None:

@@ -1,1 +1,2 @@
-"""Small pieces both edge and server need: tokenizer fingerprint, export metadata."""
+"""Small pieces both edge and server need (tokenizer fingerprint, draft export metadata, TLS
+credentials, addresses, timed waits, ...): no torch, no model."""

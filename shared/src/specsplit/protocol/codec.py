@@ -4,7 +4,7 @@ The only module of the core that knows about protobuf; transports call it at the
 """
 from __future__ import annotations
 
-from specsplit.protocol.errors import InvalidOpen, MalformedDraft
+from specsplit.protocol.errors import InvalidOpen, MalformedMessage, ProtocolError
 from specsplit.protocol.messages import (
     Close,
     Done,
@@ -60,10 +60,6 @@ def draft_to_pb(chunk: DraftChunk) -> pb.EdgeMessage:
     )
 
 
-def close_to_pb() -> pb.EdgeMessage:
-    return pb.EdgeMessage(close=pb.Close())
-
-
 def edge_from_pb(msg: pb.EdgeMessage) -> EdgeEvent:
     kind = msg.WhichOneof("kind")
     if kind == "open":
@@ -91,7 +87,7 @@ def edge_from_pb(msg: pb.EdgeMessage) -> EdgeEvent:
         )
     if kind == "close":
         return Close()
-    raise MalformedDraft("edge message carries none of open, draft, close")
+    raise MalformedMessage("edge message carries none of open, draft, close")
 
 
 def server_to_pb(event: ServerEvent) -> pb.ServerMessage:
@@ -148,4 +144,4 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
     if kind == "opened":
         o = msg.opened
         return Opened(o.session_id, o.target_model, o.max_context, o.max_lookahead, o.vocab_size)
-    raise ValueError("server message carries none of opened, verdict, done")
+    raise ProtocolError("server message carries none of opened, verdict, done")
