@@ -44,9 +44,9 @@ VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MAT
 class TextStream:
     """Prints the decoded text as it grows, holding back an incomplete UTF-8 tail."""
 
-    def __init__(self, tokenizer: EdgeTokenizer, out=sys.stdout) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, tokenizer: EdgeTokenizer, out: TextIO | None = None) -> None:
         self.tokenizer = tokenizer
-        self.out = out
+        self.out = out or sys.stdout  # the one at the time: a test or a caller may have replaced it
         self.printed = ""
         self.mid_line = False
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +77,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                 return device
         return None
 
-    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         if handler_call_details.method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
         header = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+from transformers import PretrainedConfig
 
 from specsplit.common.export_meta import META_FILE, MODEL_FILE, DraftExportMeta
 from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
@@ -56,7 +57,7 @@ class _KVWrapper(torch.nn.Module):
         return (out.logits, *flat)
 
 
-def kv_shape(config) -> tuple[int, int, int]:  # type: ignore[no-untyped-def]
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", heads), head_dim

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.utils import ModelOutput
 
 
-def output_cache(out) -> DynamicCache:
+def output_cache(out: ModelOutput) -> DynamicCache:
+    """The cache a forward pass returned (`cache` where the model names it so)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 

