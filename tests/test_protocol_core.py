@@ -338,3 +338,18 @@ def test_resumed_session_continues_from_committed_prefix() -> None:
         run_task(s, 2)
     want = path[: path.index(EOS) + 1] if EOS in path else path
     assert s.generated == want
+
+
+def test_stop_ids_and_distributions_are_bounded() -> None:
+    """A million stop ids, looked up for every committed token on the server's loop, held up
+    every session (about 7 ms a token); so would distributions of a million ids."""
+    from specsplit.protocol.messages import MAX_DIST_IDS, MAX_STOP_IDS
+
+    with pytest.raises(errors.InvalidOpen, match=f"65 stop ids exceed the limit of {MAX_STOP_IDS}"):
+        ServerSession(OpenRequest((1, 2), 4, stop_ids=tuple(range(1, 66))), ServerLimits(vocab_size=100, max_context=64))
+    ServerSession(OpenRequest((1, 2), 4, stop_ids=tuple(range(1, 65))), ServerLimits(vocab_size=100, max_context=64))
+    sampled = OpenRequest((1, 2), 4, sampling=SamplingParams(temperature=1.0), verification=VerificationMode.SPARSE_Q)
+    session = ServerSession(sampled, ServerLimits(vocab_size=1000, max_context=64))
+    wide = SparseDist(tuple(range(MAX_DIST_IDS + 1)), tuple([1.0 / (MAX_DIST_IDS + 1)] * (MAX_DIST_IDS + 1)))
+    with pytest.raises(errors.MalformedDraft, match=f"exceeds the limit of {MAX_DIST_IDS}"):
+        session.receive_draft(DraftChunk(2, (3,), HashedSequence((1, 2)).hash_before(2), (wide,)))

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
-from specsplit.protocol.messages import OpenRequest, ServerLimits
+import numpy as np
+
+from specsplit.protocol.messages import DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
+from specsplit.server.engine import KVState
 from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
 
 
@@ -24,5 +28,53 @@ def test_a_session_whose_outbox_stays_full_is_ended() -> None:
         worker._pick()
         await asyncio.sleep(0)
         assert stream.cancelled() and handle.stalled  # its servicer counts the end as stalled
+
+    asyncio.run(main())
+
+
+class SlowEngine:
+    """A target pass of 50 ms that predicts token 7 everywhere."""
+
+    verifies_branches = False
+    split_width = 0
+    vocab_size = 100
+
+    def new_state(self) -> KVState:
+        return KVState()
+
+    def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
+        return sessions, longest
+
+    def pass_shape(self, items) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+        return len(items), max(it.feed_length for it in items)
+
+    def verify_batch(self, items):  # type: ignore[no-untyped-def]
+        time.sleep(0.05)
+        return [np.full(len(it.drafts) + 1, 7) for it in items]
+
+
+def test_an_outbox_that_fills_during_a_pass_ends_its_session_not_the_server() -> None:
+    """Picked with room for the pass's Verdict and Done, the outbox of an edge that stopped
+    reading filled while the pass ran: the Done's put raised QueueFull out of the worker, and
+    the server shut down for every session."""
+    async def main() -> None:
+        worker = VerificationWorker(SlowEngine(), SchedulerConfig(outbox_size=4))  # type: ignore[arg-type]
+        session = ServerSession(OpenRequest((1, 2), max_new_tokens=1, draft_mode=DraftMode.NONE),
+                                ServerLimits(vocab_size=100, max_context=100), "s")
+        outbox: asyncio.Queue = asyncio.Queue(maxsize=4)
+        outbox.put_nowait("unread")
+        stream = asyncio.create_task(asyncio.sleep(60))
+        handle = SessionHandle(session, outbox, kv=KVState(), stream_task=stream)
+        worker.add(handle)
+        running = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.02)  # the pass runs
+        outbox.put_nowait("more")  # the stream's reader queues while the edge reads nothing
+        outbox.put_nowait("and more")
+        await asyncio.sleep(0.2)
+        assert not running.done(), running.exception()  # the worker serves on
+        assert handle.stalled and stream.cancelled() and "s" not in worker.sessions
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        worker.close()
 
     asyncio.run(main())

@@ -146,3 +146,30 @@ def test_how_a_session_without_its_done_ended_is_counted_and_logged_with_its_cli
     assert any("from ipv4:127.0.0.1:50000: ended (the edge went away) after 0 new tokens" in line for line in lines)
     ended, lines = _ended_after_opened("shutdown")  # the drain's own warning names it
     assert ended == {"stalled": 0, "disconnected": 0, "shutdown": 1} and not any("ended (" in line for line in lines)
+
+
+def test_a_closed_session_leaves_the_worker_at_once() -> None:
+    """Open, Close, Open, Close ... on one kept stream: each closed session stayed in the
+    worker, holding its KV cache and its place under --max-sessions, until every place was
+    taken and the server refused everyone."""
+    close = pb.EdgeMessage(close=pb.Close()).SerializeToString()
+    sent: asyncio.Queue = asyncio.Queue()
+
+    async def requests():  # type: ignore[no-untyped-def]
+        while (message := await sent.get()) is not None:
+            yield message
+
+    async def main() -> list[int]:
+        worker = Worker()
+        stream = _service(worker).Generate(requests(), _Context())
+        held = []
+        for _ in range(3):
+            await sent.put(OPEN)
+            assert (await stream.__anext__()).WhichOneof("kind") == "opened"
+            await sent.put(close)
+            assert (await stream.__anext__()).WhichOneof("kind") == "done"
+            held.append(worker.held())
+        await stream.aclose()
+        return held
+
+    assert asyncio.run(main()) == [0, 0, 0]

@@ -36,6 +36,8 @@ from specsplit.protocol import codec, errors
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import (
     MAX_CHUNK,
+    MAX_DIST_IDS,
+    MAX_STOP_IDS,
     Done,
     DraftMode,
     Opened,
@@ -171,6 +173,10 @@ class EdgeConfig:
             token_ids(self.stop_ids, "stop_ids")
         except ValueError as exc:
             raise ConfigError("stop_ids", str(exc).removeprefix("stop_ids ")) from None
+        if len(self.stop_ids) > MAX_STOP_IDS:
+            raise ConfigError("stop_ids", f"may hold at most {MAX_STOP_IDS} ids, got {len(self.stop_ids)}")
+        if self.sparse_top_k > MAX_DIST_IDS:
+            raise ConfigError("sparse_top_k", f"must be at most {MAX_DIST_IDS}, got {self.sparse_top_k}")
         if not isinstance(self.sampling, SamplingParams):
             raise ConfigError("sampling", f"must be a SamplingParams, got {self.sampling!r}")
         if problem := self.sampling.problem():  # the server's own rules
@@ -509,11 +515,11 @@ class _Generation:
             self._send(codec.draft_to_pb(edge.branch_chunk(start, (runner_up,))))
 
     def _branch_room(self, start: int) -> int:
-        """The longest a branch from `start` may be: --branch-tokens, and not past the
-        server's lookahead limit."""
+        """The longest a branch from `start` may be: --branch-tokens, not past the server's
+        lookahead limit, and one chunk (a branch goes out whole each time it grows)."""
         edge = self.edge
         assert edge is not None
-        return min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start)
+        return min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start, MAX_CHUNK)
 
     def _branch_due(self, branch: tuple[int, tuple[int, ...]]) -> bool:
         """Whether the next drafting step should grow `branch`: while it is shorter than the

@@ -55,6 +55,11 @@ PICK_WEIGHT = 0.2  # of the latest pick in the pick's usual host time
 HOST_WEIGHT = 0.2  # of the latest pass in the host's usual time per session (_observe_host)
 
 
+# Free places a session's outbox needs before a pass takes it: the pass's Verdict and Done,
+# and one more the stream's reader may queue meanwhile (its half-close, or an error).
+OUTBOX_ROOM = 3
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_verify_tokens: int = 24  # drafts one verification may take from a session
@@ -210,7 +215,7 @@ class VerificationWorker:
         s = h.session
         if s.done is not None:
             return None
-        if h.outbox.qsize() > h.outbox.maxsize - 2:
+        if h.outbox.qsize() > h.outbox.maxsize - OUTBOX_ROOM:
             h.full_since = h.full_since or now
             if now - h.full_since > self.config.stalled_edge_s and h.stream_task is not None:
                 h.stalled = True  # its servicer logs the end, with the edge's address
@@ -545,7 +550,7 @@ class VerificationWorker:
         if isinstance(result, Exception):  # a failing model must not take the other sessions down
             log.error("session %s: verification failed", s.session_id, exc_info=result,
                       extra={"session": s.session_id})
-            handle.outbox.put_nowait(result)
+            self._put(handle, result)
             self.remove(s.session_id)
             return
         if task.branches:
@@ -565,11 +570,27 @@ class VerificationWorker:
                 event = dataclasses.replace(event, verify_ms=elapsed * 1000)
             elif isinstance(event, Done):
                 event = dataclasses.replace(event, target_busy_s=handle.busy_s)
-            handle.outbox.put_nowait(event)
+            if not self._put(handle, event):
+                return
         if not s.candidate_count:
             handle.idle_since = time.monotonic()
         if s.done is not None:
             self.remove(s.session_id)
+
+    def _put(self, handle: SessionHandle, item: object) -> bool:
+        """Queue `item` for the session's edge; False where its outbox had no room (a pass
+        picks only sessions with OUTBOX_ROOM free, but an edge that stops reading while its
+        stream's reader adds more can fill it meanwhile): the session ends as a stalled one,
+        and the worker, which serves every session, goes on."""
+        try:
+            handle.outbox.put_nowait(item)
+        except asyncio.QueueFull:
+            handle.stalled = True  # its servicer logs the end, with the edge's address
+            if handle.stream_task is not None:
+                handle.stream_task.cancel()
+            self.remove(handle.session.session_id)
+            return False
+        return True
 
     def _update_gauges(self) -> None:
         self.metrics.outbox_depth.set(sum(h.outbox.qsize() for h in self.sessions.values()))

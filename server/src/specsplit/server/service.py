@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from specsplit.common.address import bracketed
 from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
-from specsplit.protocol.messages import Done, Opened, OpenRequest, ServerLimits, Verdict
+from specsplit.protocol.messages import Close, Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, TLSConfig
 from specsplit.server.engine import Engine
@@ -139,6 +139,10 @@ class SpecSplitService:
                     self.worker.add(SessionHandle(conn.session, outbox, kv=self.worker.engine.new_state(),
                                                   stream_task=stream_task, pace=pace))
                     self.metrics.sessions_total.inc()
+                elif isinstance(event, Close) and conn.session is not None:
+                    # Cancelled: its cache and its place under --max-sessions go now (a kept
+                    # stream's next Open would otherwise leave them held for good).
+                    self.worker.remove(conn.session.session_id)
                 else:
                     self.worker.notify()
             if conn.session is None:

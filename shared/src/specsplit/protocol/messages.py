@@ -31,6 +31,10 @@ class DoneReason(enum.IntEnum):
 
 # The most draft tokens one chunk may carry (a server refuses more with RESOURCE_EXHAUSTED).
 MAX_CHUNK = 64
+# The most stop ids an Open, and ids a sparse-q draft distribution, may carry (INVALID_ARGUMENT
+# past them): the server works through them on its event loop, for every session.
+MAX_STOP_IDS = 64
+MAX_DIST_IDS = 256
 
 @dataclass(frozen=True)
 class SamplingParams:

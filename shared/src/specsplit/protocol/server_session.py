@@ -26,6 +26,8 @@ import numpy as np
 from specsplit.protocol import errors
 from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import (
+    MAX_DIST_IDS,
+    MAX_STOP_IDS,
     Close,
     Done,
     DoneReason,
@@ -113,6 +115,8 @@ class ServerSession:
         _check_ids(req.prompt_ids, limits.vocab_size, "prompt_ids")
         _check_ids(req.committed_ids, limits.vocab_size, "committed_ids")
         _check_ids(req.stop_ids, limits.vocab_size, "stop_ids")
+        if len(req.stop_ids) > MAX_STOP_IDS:  # each committed token is looked up in them, on the server's loop
+            raise errors.InvalidOpen(f"{len(req.stop_ids)} stop ids exceed the limit of {MAX_STOP_IDS}")
         req.sampling.validate()
         if req.max_new_tokens <= 0:
             raise errors.InvalidOpen("max_new_tokens must be at least 1")
@@ -202,6 +206,8 @@ class ServerSession:
     def _validate_dist(self, token: int, dist: SparseDist) -> None:
         if len(dist.ids) != len(dist.probs) or not dist.ids:
             raise errors.MalformedDraft("a draft distribution needs as many ids as probs, at least one")
+        if len(dist.ids) > MAX_DIST_IDS:  # validated, and searched, on the server's loop
+            raise errors.MalformedDraft(f"a draft distribution of {len(dist.ids)} ids exceeds the limit of {MAX_DIST_IDS}")
         _check_ids(dist.ids, self.limits.vocab_size, "draft distribution")
         if not all(math.isfinite(p) and 0.0 < p <= 1.0 for p in dist.probs):
             raise errors.MalformedDraft("draft probabilities must lie in (0, 1]")
