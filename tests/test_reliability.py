@@ -327,6 +327,13 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys, monkey
                                   *tls, "hi"]) == 1
             err = capsys.readouterr().err
             assert "error: UNAVAILABLE" in err and hint in err, err
+        # As a program of its own: gRPC's C core adds no lines of its own (a failed handshake's
+        # INFO lines) to the error and its hint.
+        proc = subprocess.run([sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", addr, "--draft",
+                               str(tiny.draft_dir), "--retries", "0", "--tls-ca", str(other_ca.with_suffix(".crt")),
+                               "hi"], capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"})
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 2, proc.stderr
         # A certificate checked against another name than the one dialled.
         monkeypatch.setenv("SPECSPLIT_TOKEN", "0123456789abcdef0123")
         for name, code in [("specsplit.invalid", 1), ("localhost", 0)]:

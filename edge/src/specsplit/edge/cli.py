@@ -1,7 +1,11 @@
 """specsplit-edge: draft on this device, verify on a specsplit server."""
 from __future__ import annotations
 
-import argparse
+from specsplit.common.grpc_logs import quiet_grpc_core
+
+quiet_grpc_core()  # before grpc is imported, below
+
+import argparse  # noqa: E402
 import asyncio
 import contextlib
 import functools

@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 import onnxruntime as ort
 
-from specsplit.common.export_meta import META_FILE, MODEL_FILE, DraftExportMeta
+from specsplit.common.export_meta import INPUTS, META_FILE, MODEL_FILE, DraftExportMeta, past_names
 from specsplit.common.prefix import common_prefix
 
 
@@ -76,10 +76,8 @@ class OnnxDrafter:
         except Exception as exc:  # ONNX Runtime's own exception types, one per kind of failure
             raise ValueError(f"ONNX Runtime cannot load {model} ({type(exc).__name__}: {exc}); "
                              "a truncated copy? export the draft again") from None
-        self._past_names = [
-            f"past_key_values.{i}.{kind}" for i in range(self.meta.num_layers) for kind in ("key", "value")
-        ]
-        expected = {"input_ids", "attention_mask", "position_ids", *self._past_names}
+        self._past_names = past_names(self.meta.num_layers)
+        expected = {*INPUTS, *self._past_names}
         if missing := sorted(expected - {i.name for i in self._session.get_inputs()}):
             raise ValueError(f"{model} does not take the inputs its {META_FILE} describes (no {', '.join(missing[:3])}): "
                              "its model and metadata come from different exports")
@@ -154,9 +152,8 @@ class OnnxDrafter:
         total = keep + len(feed_ids)
         mask = np.concatenate([cache.mask, np.ones(len(feed_ids), dtype=np.int64)])
         feed = {
-            "input_ids": np.asarray([feed_ids], dtype=np.int64),
-            "attention_mask": mask[None, :],
-            "position_ids": np.arange(keep, total, dtype=np.int64)[None, :],
+            **dict(zip(INPUTS, (np.asarray([feed_ids], dtype=np.int64), mask[None, :],
+                                np.arange(keep, total, dtype=np.int64)[None, :]))),
             **dict(zip(self._past_names, cache.past)),
         }
         logits, *present = self._session.run(None, feed)
@@ -197,12 +194,7 @@ class OnnxDrafter:
         for (cache, _), row, trajectory in zip(caches, rows, trajectories):
             masks[row, : cache.mask.size], masks[row, -1] = cache.mask, 1
             positions[row], ids[row] = len(trajectory) - 1, trajectory[-1]
-        feed = {
-            "input_ids": ids,
-            "attention_mask": masks,
-            "position_ids": positions,
-            **dict(zip(self._past_names, pasts)),
-        }
+        feed = {**dict(zip(INPUTS, (ids, masks, positions))), **dict(zip(self._past_names, pasts))}
         logits, *present = self._session.run(None, feed)
         for (cache, _), row, trajectory in zip(caches, rows, trajectories):
             cache.past = [p[row : row + 1] for p in present]

@@ -1,7 +1,11 @@
 """specsplit-server: serve a target model, or export a draft model for the edge."""
 from __future__ import annotations
 
-import argparse
+from specsplit.common.grpc_logs import quiet_grpc_core
+
+quiet_grpc_core()  # before grpc is imported, by what this module imports or runs
+
+import argparse  # noqa: E402
 import asyncio
 import functools
 import gc

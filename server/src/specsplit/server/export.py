@@ -19,7 +19,7 @@ import onnxruntime as ort
 import torch
 from transformers import PretrainedConfig
 
-from specsplit.common.export_meta import META_FILE, MODEL_FILE, DraftExportMeta
+from specsplit.common.export_meta import INPUTS, LOGITS, META_FILE, MODEL_FILE, DraftExportMeta, past_names, present_names
 from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
 from specsplit.server.loading import LoadedModel, load_model, source_sha256
 
@@ -73,23 +73,23 @@ def _export_graph(loaded: LoadedModel, path: Path) -> None:
         torch.arange(past_len, past_len + seq).unsqueeze(0),
         *[torch.zeros((1, kv_heads, past_len, head_dim)) for _ in range(2 * layers)],
     )
-    past_names = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    present_names = [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    ids, mask, positions = INPUTS
+    past, present = past_names(layers), present_names(layers)
     dynamic = {
-        "input_ids": {0: "batch", 1: "seq"},
-        "attention_mask": {0: "batch", 1: "total"},
-        "position_ids": {0: "batch", 1: "seq"},
-        "logits": {0: "batch", 1: "seq"},
-        **{n: {0: "batch", 2: "past"} for n in past_names},
-        **{n: {0: "batch", 2: "total"} for n in present_names},
+        ids: {0: "batch", 1: "seq"},
+        mask: {0: "batch", 1: "total"},
+        positions: {0: "batch", 1: "seq"},
+        LOGITS: {0: "batch", 1: "seq"},
+        **{n: {0: "batch", 2: "past"} for n in past},
+        **{n: {0: "batch", 2: "total"} for n in present},
     }
     with torch.no_grad():
         torch.onnx.export(
             wrapper,
             inputs,
             str(path),
-            input_names=["input_ids", "attention_mask", "position_ids", *past_names],
-            output_names=["logits", *present_names],
+            input_names=[*INPUTS, *past],
+            output_names=[LOGITS, *present],
             dynamic_axes=dynamic,
             opset_version=OPSET,
             dynamo=False,
@@ -97,13 +97,12 @@ def _export_graph(loaded: LoadedModel, path: Path) -> None:
 
 
 def _ort_step(session: ort.InferenceSession, ids: list[int], past: list[np.ndarray], past_len: int):  # type: ignore[no-untyped-def]
-    feed = {
-        "input_ids": np.asarray([ids], dtype=np.int64),
-        "attention_mask": np.ones((1, past_len + len(ids)), dtype=np.int64),
-        "position_ids": np.arange(past_len, past_len + len(ids), dtype=np.int64)[None, :],
-    }
-    for i, t in enumerate(past):
-        feed[f"past_key_values.{i // 2}.{'key' if i % 2 == 0 else 'value'}"] = t
+    feed = dict(zip(INPUTS, (
+        np.asarray([ids], dtype=np.int64),
+        np.ones((1, past_len + len(ids)), dtype=np.int64),
+        np.arange(past_len, past_len + len(ids), dtype=np.int64)[None, :],
+    )))
+    feed.update(zip(past_names(len(past) // 2), past))
     logits, *present = session.run(None, feed)
     return logits[0], present
 

@@ -8,6 +8,19 @@ from pathlib import Path
 
 META_FILE = "specsplit.json"
 MODEL_FILE = "model.onnx"
+# The graph's inputs and outputs beside the caches: what the exporter names and the drafter feeds.
+INPUTS = ("input_ids", "attention_mask", "position_ids")
+LOGITS = "logits"
+
+
+def past_names(layers: int) -> list[str]:
+    """The cache inputs, a key and a value per layer, in the graph's order."""
+    return [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+
+
+def present_names(layers: int) -> list[str]:
+    """The cache outputs, in the same order."""
+    return [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
 
 
 @dataclass(frozen=True)
