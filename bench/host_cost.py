@@ -26,7 +26,8 @@ from loadtest.machine import machine_info
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
 from specsplit.server.loading import LoadedModel, make_echo
-from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
+from specsplit.server.config import SchedulerConfig
+from specsplit.server.scheduler import SessionHandle, VerificationWorker
 from specsplit.server.static_engine import StaticEngine
 
 PARTS = ("pick", "engine", "deliver", "drafts_in")

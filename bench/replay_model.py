@@ -21,7 +21,7 @@ from itertools import pairwise
 from specsplit.common.acceptance import acceptance_estimate
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.server.policy import PassCostModel, plan
-from specsplit.server.scheduler import SchedulerConfig
+from specsplit.server.config import SchedulerConfig
 
 EDGE_MAX_WINDOW = 32  # the edge's default adaptive lookahead cap
 

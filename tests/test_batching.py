@@ -32,7 +32,8 @@ from specsplit.common.prefix import common_prefix
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
 from specsplit.server.loading import cpu_has_fast_bf16, load_model, resolve_dtype
 from specsplit.server.pace import PaceLog
-from specsplit.server.scheduler import PassFill, SchedulerConfig, SessionHandle, VerificationWorker
+from specsplit.server.config import SchedulerConfig
+from specsplit.server.scheduler import PassFill, SessionHandle, VerificationWorker
 from specsplit.server.static_engine import (SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, kv_buckets,
                                             kv_buckets_by_default, pass_shapes)
 from conftest import free_port, launch_server

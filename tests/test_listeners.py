@@ -14,7 +14,7 @@ from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.server.listeners import bind_listeners, check_port_free
-from specsplit.server.service import ServeConfig
+from specsplit.server.config import ServeConfig
 from test_end_to_end import reference
 
 SESSIONS = 6

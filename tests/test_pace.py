@@ -79,8 +79,9 @@ def test_a_streams_generations_share_one_pace_and_another_call_starts_its_own(ti
     the first one's pace log; a generation on a call of its own gets a new one."""
     from specsplit.server.engine import TargetEngine
     from specsplit.server.loading import load_model
-    from specsplit.server.scheduler import SchedulerConfig, VerificationWorker
-    from specsplit.server.service import ServeConfig, serve
+    from specsplit.server.config import SchedulerConfig, ServeConfig
+    from specsplit.server.scheduler import VerificationWorker
+    from specsplit.server.service import serve
 
     handles = []
     add = VerificationWorker.add

@@ -639,8 +639,9 @@ def test_a_failed_verification_worker_stops_the_server(tiny, monkeypatch) -> Non
     (edges see only their streams stall): the server exits with the worker's error instead."""
     from specsplit.server.engine import TargetEngine
     from specsplit.server.loading import load_model
-    from specsplit.server.scheduler import SchedulerConfig, VerificationWorker
-    from specsplit.server.service import ServeConfig, serve
+    from specsplit.server.config import SchedulerConfig, ServeConfig
+    from specsplit.server.scheduler import VerificationWorker
+    from specsplit.server.service import serve
 
     async def broken(self) -> None:  # type: ignore[no-untyped-def]
         raise ValueError("a bug in the pick")

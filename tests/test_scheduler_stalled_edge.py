@@ -9,7 +9,8 @@ import numpy as np
 from specsplit.protocol.messages import DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
 from specsplit.server.engine import KVState
-from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
+from specsplit.server.config import SchedulerConfig
+from specsplit.server.scheduler import SessionHandle, VerificationWorker
 
 
 def test_a_session_whose_outbox_stays_full_is_ended() -> None:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from specsplit.protocol.messages import ServerLimits
 from specsplit.server import service
+from specsplit.server.config import ServeConfig
 from specsplit.server.metrics import ServerMetrics
 from specsplit.v1 import specsplit_pb2 as pb
 
@@ -37,7 +38,7 @@ class Worker:
 
 def _service(worker: Worker) -> service.SpecSplitService:
     return service.SpecSplitService(worker, ServerLimits(vocab_size=100, max_context=100),  # type: ignore[arg-type]
-                                    service.ServeConfig(idle_stream_s=0.1), ServerMetrics())
+                                    ServeConfig(idle_stream_s=0.1), ServerMetrics())
 
 
 class _Context:

@@ -1,4 +1,4 @@
-"""Optional per-device bearer tokens, checked by a gRPC server interceptor, and TLS setup.
+"""Optional per-device bearer tokens, checked by a gRPC server interceptor.
 
 Tokens file: one `DEVICE_ID TOKEN` pair per line (# comments allowed). A call without
 an `authorization: Bearer ...` header is UNAUTHENTICATED; a token no device holds is
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -92,17 +91,3 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return _deny(grpc.StatusCode.PERMISSION_DENIED, "this token belongs to no registered device",
                          self._on_refusal)
         return await continuation(handler_call_details)
-
-
-@dataclass(frozen=True)
-class TLSConfig:
-    cert: Path
-    key: Path
-    client_ca: Path | None = None  # set: mutual TLS, clients must present a certificate it signed
-
-    def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.key.read_bytes(), self.cert.read_bytes())],
-            root_certificates=self.client_ca.read_bytes() if self.client_ca else None,
-            require_client_auth=self.client_ca is not None,
-        )

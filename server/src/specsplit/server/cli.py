@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specsplit.common.address import check_host_port
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
+from specsplit.server.config import IDLE_POLICIES, SchedulerConfig, ServeConfig, TLSConfig, resolve_engine
 
 # Not __name__: under `python -m` that is __main__, outside the "specsplit" logger whose level main() sets.
 log = logging.getLogger("specsplit.server.cli")
@@ -49,8 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.engine import TargetEngine, warm_up
     from specsplit.server.loading import load_model
     from specsplit.server.progress_log import ProgressLog
-    from specsplit.server.scheduler import SchedulerConfig
-    from specsplit.server.service import ServeConfig, serve
+    from specsplit.server.service import serve
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available", file=sys.stderr)
@@ -61,8 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
         transformers_logging.disable_progress_bar()
     from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, kv_buckets_by_default
 
-    if args.engine == "auto":  # CUDA graphs need the static engine; on a CPU only the dynamic one is exact
-        args.engine = "static" if args.device == "cuda" else "dynamic"
+    args.engine = resolve_engine(args.engine, args.device)
     if args.engine == "static" and (args.max_verify_tokens >= TOKEN_BUCKETS[-1]
                                     or args.max_batch_sessions > SESSION_BUCKETS[-1]):
         print(f"error: the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
@@ -131,8 +130,6 @@ def _serve(args: argparse.Namespace) -> int:
         stalled_edge_s=args.stalled_edge_timeout,
         pace_tokens_per_s=args.pace_tokens_per_s,
     )
-    from specsplit.server.auth import TLSConfig
-
     tls = TLSConfig(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_client_ca) if args.tls_client_ca else None) \
         if args.tls_cert else None
     cfg = ServeConfig(
@@ -249,8 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve a target model over gRPC", parents=[after])
     s.add_argument("--target", required=True, help="Hugging Face directory, .gguf file or hub id")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for other machines)")
-    s.add_argument("--port", type=int, default=50051, help="port to listen on")
+    s.add_argument("--host", default=ServeConfig.host, help="address to bind (0.0.0.0 for other machines)")
+    s.add_argument("--port", type=int, default=ServeConfig.port, help="port to listen on")
     s.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the target runs")
     s.add_argument("--model-name", help="the name edges are told the target by (default: a hub id as given, a "
                    "local directory or file by its own name, never its path)")
@@ -310,26 +307,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--idle-policy",
-        choices=["adaptive", "ar", "wait"],
-        default="adaptive",
+        choices=IDLE_POLICIES,
+        default=SchedulerConfig.idle_policy,
         help="an async session short of drafts: adaptive (default) waits for drafts on their way when that "
         "yields more tokens per second (up to --max-wait-ms); ar verifies what it has, or takes an "
         "autoregressive step, at once; wait waits --idle-wait-ms when it has none",
     )
-    s.add_argument("--idle-wait-ms", type=float, default=20.0, help="wait: how long a session without drafts waits")
+    s.add_argument("--idle-wait-ms", type=float, default=SchedulerConfig.idle_wait_s * 1000, help="wait: how long a session without drafts waits")
     s.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="longest the target thread waits for the event loop to hand it the GIL (Python's "
                    "switch interval; default 0.5, Python's own is 5)")
-    s.add_argument("--max-wait-ms", type=float, default=500.0, help="adaptive: longest wait for drafts")
-    s.add_argument("--max-verify-tokens", type=int, default=24, help="most drafts one verification may take")
+    s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_s * 1000, help="adaptive: longest wait for drafts")
+    s.add_argument("--max-verify-tokens", type=int, default=SchedulerConfig.max_verify_tokens, help="most drafts one verification may take")
     s.add_argument(
         "--fixed-verify",
         action="store_true",
         help="always verify every candidate up to --max-verify-tokens (default: choose the number that maximizes "
         "expected tokens per second from the session's acceptance and measured pass times)",
     )
-    s.add_argument("--max-batch-sessions", type=int, default=32, help="most sessions one target pass verifies (with the static engine, rows: a prompt split over rows takes several)")
-    s.add_argument("--pace-tokens-per-s", type=float, default=0.0,
+    s.add_argument("--max-batch-sessions", type=int, default=SchedulerConfig.max_batch_sessions, help="most sessions one target pass verifies (with the static engine, rows: a prompt split over rows takes several)")
+    s.add_argument("--pace-tokens-per-s", type=float, default=SchedulerConfig.pace_tokens_per_s,
                    help="the tokens/s each device should get (an SLO): when a session ready for a pass has "
                    "committed slower than this over the last 2 s, the ready sessions more than 10%% faster sit that "
                    "pass out, so that a smaller pass comes round sooner for those behind. A device's generations on "
@@ -337,30 +334,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-batch-tokens",
         type=int,
-        default=512,
+        default=SchedulerConfig.max_batch_tokens,
         help="token budget of one target pass, padding included (rows x the widest row); when more sessions "
         "are ready, each verifies at most its share of drafts; a prompt over the budget by itself runs alone "
         "(with the static engine, a prompt longer than its widest row takes several rows of the pass's width "
         "instead of widening every row); within it, a batch's feeds are cut to the width that commits the most "
         "tokens per second of measured pass time",
     )
-    s.add_argument("--max-sessions", type=int, default=64, help="beyond this, Open gets RESOURCE_EXHAUSTED")
-    s.add_argument("--max-lookahead", type=int, default=64, help="how far past the committed point drafts may reach")
+    s.add_argument("--max-sessions", type=int, default=ServeConfig.max_sessions, help="beyond this, Open gets RESOURCE_EXHAUSTED")
+    s.add_argument("--max-lookahead", type=int, default=ServeConfig.max_lookahead, help="how far past the committed point drafts may reach")
     s.add_argument("--max-context", type=int, default=None, help="context limit (default: the target's)")
-    s.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens a session may ask")
-    s.add_argument("--max-message-bytes", type=int, default=1 << 20, help="larger messages get RESOURCE_EXHAUSTED")
-    s.add_argument("--grace", type=float, default=10.0, help="seconds open sessions get to finish on SIGTERM")
-    s.add_argument("--stalled-edge-timeout", type=float, default=30.0,
+    s.add_argument("--max-new-tokens-limit", type=int, default=ServeConfig.max_new_tokens, help="largest max_new_tokens a session may ask")
+    s.add_argument("--max-message-bytes", type=int, default=ServeConfig.max_message_bytes, help="larger messages get RESOURCE_EXHAUSTED")
+    s.add_argument("--grace", type=float, default=ServeConfig.grace_s, help="seconds open sessions get to finish on SIGTERM")
+    s.add_argument("--stalled-edge-timeout", type=float, default=SchedulerConfig.stalled_edge_s,
                    help="seconds an edge may leave its verdicts unread before its session is ended")
-    s.add_argument("--idle-stream-timeout", type=float, default=30.0,
+    s.add_argument("--idle-stream-timeout", type=float, default=ServeConfig.idle_stream_s,
                    help="seconds a stream stays open after a session's Done, for the device's next generation "
                    "(a new Open on the same stream, without a new call) or its half-close; also how long a new "
                    "stream may take to send its Open (else DEADLINE_EXCEEDED)")
-    s.add_argument("--max-idle-streams", type=int, default=1024,
+    s.add_argument("--max-idle-streams", type=int, default=ServeConfig.max_idle_streams,
                    help="streams kept open between sessions at once; past it the longest idle one is ended as the "
                    "timeout would end it, once it has idled for 5 s or half the timeout (its device starts a new "
                    "call for its next generation)")
-    s.add_argument("--listeners", type=int, default=4,
+    s.add_argument("--listeners", type=int, default=ServeConfig.listeners,
                    help="gRPC servers sharing the port (SO_REUSEPORT, Linux), each taking new calls on its own: "
                    "one takes them one at a time, which under hundreds of devices keeps calls waiting; 1 where "
                    "the platform cannot share a port")

@@ -35,6 +35,7 @@ import numpy as np
 
 from specsplit.common.acceptance import acceptance_estimate
 from specsplit.common.aio import within
+from specsplit.server.config import SchedulerConfig
 from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.engine import Engine, KVState, VerifyItem
@@ -44,7 +45,6 @@ from specsplit.server.policy import Explorer, PassCostModel, choose_drafts, choo
 
 log = logging.getLogger(__name__)
 
-IDLE_POLICIES = ("adaptive", "ar", "wait")
 DEFAULT_DRAFT_RATE = 10.0  # drafts per second an edge is assumed to send before it is measured
 PACE_MARGIN = 0.1  # ahead of the pace by more than this share, a session may sit a pass out
 # The next pass is picked this many times the pick's usual host time, plus PICK_MARGIN_S,
@@ -58,34 +58,6 @@ HOST_WEIGHT = 0.2  # of the latest pass in the host's usual time per session (_o
 # Free places a session's outbox needs before a pass takes it: the pass's Verdict and Done,
 # and one more the stream's reader may queue meanwhile (its half-close, or an error).
 OUTBOX_ROOM = 3
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_verify_tokens: int = 24  # drafts one verification may take from a session
-    max_batch_sessions: int = 32  # sessions one target pass may verify (rows, where feeds are split)
-    max_batch_tokens: int = 512  # padded tokens one pass may take (a longer prefill runs alone)
-    adaptive: bool = True  # pick how many drafts to verify from acceptance and measured pass times
-    # Async sessions short of candidates: "adaptive" waits for drafts on their way when that
-    # pays (up to max_wait_s), "ar" verifies or steps at once, "wait" waits idle_wait_s first.
-    idle_policy: str = "adaptive"
-    idle_wait_s: float = 0.02
-    max_wait_s: float = 0.5
-    # An edge that stops reading fills its outbox; after this long it is cut off and its
-    # session and KV cache are freed.
-    stalled_edge_s: float = 30.0
-    outbox_size: int = 64
-    # Tokens/s each session should get (an SLO; 0: no pacing). While some session with a full
-    # window of history commits slower than this, those ahead of it sit passes out (_pace).
-    pace_tokens_per_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.max_batch_sessions < 1 or self.max_batch_tokens < 1:
-            raise ValueError("max_batch_sessions and max_batch_tokens must be at least 1")
-        if self.idle_policy not in IDLE_POLICIES:
-            raise ValueError(f"idle policy must be one of {IDLE_POLICIES}, got {self.idle_policy!r}")
-        if self.pace_tokens_per_s < 0:
-            raise ValueError("pace_tokens_per_s must be 0 (no pacing) or more")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from specsplit.common.tls import check_pem
 from specsplit.server.auth import load_tokens
+from specsplit.server.config import resolve_engine
 from specsplit.server.listeners import MAX_MESSAGE_BYTES, check_port_free
 
 AT_LEAST_ONE = ("listeners", "max_batch_sessions", "max_batch_tokens", "max_sessions", "max_lookahead",
@@ -44,7 +45,7 @@ def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
             raise ValueError(f"{_flag(name)} must be above 0, got {getattr(args, name)}")
     if args.max_message_bytes > MAX_MESSAGE_BYTES:
         raise ValueError(f"--max-message-bytes must be at most {MAX_MESSAGE_BYTES}, got {args.max_message_bytes}")
-    static = args.engine == "static" or (args.engine == "auto" and args.device == "cuda")  # as _serve resolves it
+    static = resolve_engine(args.engine, args.device) == "static"
     if static and args.static_max_len < MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")
     if args.max_context is not None and args.max_context < 1:

@@ -7,7 +7,6 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -19,58 +18,22 @@ from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Close, Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
-from specsplit.server.auth import BearerTokenInterceptor, TLSConfig
+from specsplit.server.auth import BearerTokenInterceptor
+from specsplit.server.config import SchedulerConfig, ServeConfig
 from specsplit.server.engine import Engine
 from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
-from specsplit.server.listeners import MAX_MESSAGE_BYTES, bind_listeners, check_listeners
+from specsplit.server.listeners import MAX_MESSAGE_BYTES, bind_listeners
 from specsplit.server.log_throttle import LogThrottle, client_of
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.pace import PaceLog
-from specsplit.server.scheduler import SchedulerConfig, SessionHandle, VerificationWorker
+from specsplit.server.scheduler import SessionHandle, VerificationWorker
 from specsplit.server.sources import served_name
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SpecSplit"].full_name
 HALF_CLOSED = object()  # put in a stream's outbox once the edge sends nothing more
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_sessions: int = 64
-    max_lookahead: int = 64
-    max_context: int | None = None  # None: the target's position limit
-    max_new_tokens: int = 4096
-    max_message_bytes: int = 1 << 20
-    grace_s: float = 10.0
-    metrics_port: int | None = None
-    metrics_host: str | None = None  # None: the serving host
-    tls: TLSConfig | None = None
-    tokens: dict[str, str] | None = None  # token -> device id (auth.load_tokens); None: no tokens asked
-    # Keepalive: a vanished edge is noticed within about keepalive_s + keepalive_timeout_s.
-    keepalive_s: float = 20.0
-    keepalive_timeout_s: float = 10.0
-    # After a session's Done, how long the stream stays open for the device's next Open (its next
-    # generation, without a new call) or its half-close; and how long a new stream may take to
-    # send its first Open. Ending it sooner while the edge still
-    # writes its last drafts would fail those writes and, with them, the call at the edge: a busy
-    # edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
-    idle_stream_s: float = 30.0
-    # Streams idle between sessions held at once; past it the longest idle is ended (idle_streams.py).
-    max_idle_streams: int = 1024
-    # gRPC servers on the port (listeners.py): with 384 devices starting generations on one GPU
-    # server, a call waited 1.4 s (p90) for its Opened with one, 0.26 s with four
-    # (docs/capacity.md). Every server shares the one worker.
-    listeners: int = 4
-    model_name: str | None = None  # what edges see in Opened; None: the target's own name (sources.served_name)
-
-    def __post_init__(self) -> None:
-        check_listeners(self.listeners)  # before the model loads, not when the port is bound
-        if not self.idle_stream_s > 0:
-            raise ValueError(f"the idle stream timeout must be above 0 s, got {self.idle_stream_s}")
 
 
 def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:

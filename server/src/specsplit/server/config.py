@@ -1,0 +1,99 @@
+"""The server's settings, as serve takes them: no torch, so that the command line can take its
+defaults from here and check them before a model loads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from specsplit.server.listeners import check_listeners
+
+IDLE_POLICIES = ("adaptive", "ar", "wait")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_verify_tokens: int = 24  # drafts one verification may take from a session
+    max_batch_sessions: int = 32  # sessions one target pass may verify (rows, where feeds are split)
+    max_batch_tokens: int = 512  # padded tokens one pass may take (a longer prefill runs alone)
+    adaptive: bool = True  # pick how many drafts to verify from acceptance and measured pass times
+    # Async sessions short of candidates: "adaptive" waits for drafts on their way when that
+    # pays (up to max_wait_s), "ar" verifies or steps at once, "wait" waits idle_wait_s first.
+    idle_policy: str = "adaptive"
+    idle_wait_s: float = 0.02
+    max_wait_s: float = 0.5
+    # An edge that stops reading fills its outbox; after this long it is cut off and its
+    # session and KV cache are freed.
+    stalled_edge_s: float = 30.0
+    outbox_size: int = 64
+    # Tokens/s each session should get (an SLO; 0: no pacing). While some session with a full
+    # window of history commits slower than this, those ahead of it sit passes out (_pace).
+    pace_tokens_per_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_sessions < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_batch_sessions and max_batch_tokens must be at least 1")
+        if self.idle_policy not in IDLE_POLICIES:
+            raise ValueError(f"idle policy must be one of {IDLE_POLICIES}, got {self.idle_policy!r}")
+        if self.pace_tokens_per_s < 0:
+            raise ValueError("pace_tokens_per_s must be 0 (no pacing) or more")
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert: Path
+    key: Path
+    client_ca: Path | None = None  # set: mutual TLS, clients must present a certificate it signed
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key.read_bytes(), self.cert.read_bytes())],
+            root_certificates=self.client_ca.read_bytes() if self.client_ca else None,
+            require_client_auth=self.client_ca is not None,
+        )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_sessions: int = 64
+    max_lookahead: int = 64
+    max_context: int | None = None  # None: the target's position limit
+    max_new_tokens: int = 4096
+    max_message_bytes: int = 1 << 20
+    grace_s: float = 10.0
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # None: the serving host
+    tls: TLSConfig | None = None
+    tokens: dict[str, str] | None = None  # token -> device id (auth.load_tokens); None: no tokens asked
+    # Keepalive: a vanished edge is noticed within about keepalive_s + keepalive_timeout_s.
+    keepalive_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    # After a session's Done, how long the stream stays open for the device's next Open (its next
+    # generation, without a new call) or its half-close; and how long a new stream may take to
+    # send its first Open. Ending it sooner while the edge still
+    # writes its last drafts would fail those writes and, with them, the call at the edge: a busy
+    # edge (a load generator of many sessions on one core) took more than 5 s to read its Done.
+    idle_stream_s: float = 30.0
+    # Streams idle between sessions held at once; past it the longest idle is ended (idle_streams.py).
+    max_idle_streams: int = 1024
+    # gRPC servers on the port (listeners.py): with 384 devices starting generations on one GPU
+    # server, a call waited 1.4 s (p90) for its Opened with one, 0.26 s with four
+    # (docs/capacity.md). Every server shares the one worker.
+    listeners: int = 4
+    model_name: str | None = None  # what edges see in Opened; None: the target's own name (sources.served_name)
+
+    def __post_init__(self) -> None:
+        check_listeners(self.listeners)  # before the model loads, not when the port is bound
+        if not self.idle_stream_s > 0:
+            raise ValueError(f"the idle stream timeout must be above 0 s, got {self.idle_stream_s}")
+
+
+def resolve_engine(engine: str, device: str) -> str:
+    """`--engine auto` as serve takes it: CUDA graphs need the static engine; on a CPU only the
+    dynamic one is exact."""
+    if engine != "auto":
+        return engine
+    return "static" if device == "cuda" else "dynamic"
