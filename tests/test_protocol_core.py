@@ -353,3 +353,13 @@ def test_stop_ids_and_distributions_are_bounded() -> None:
     wide = SparseDist(tuple(range(MAX_DIST_IDS + 1)), tuple([1.0 / (MAX_DIST_IDS + 1)] * (MAX_DIST_IDS + 1)))
     with pytest.raises(errors.MalformedDraft, match=f"exceeds the limit of {MAX_DIST_IDS}"):
         session.receive_draft(DraftChunk(2, (3,), HashedSequence((1, 2)).hash_before(2), (wide,)))
+
+
+def test_an_open_is_refused_by_its_lengths_before_its_ids_are_walked() -> None:
+    """A million committed ids (a resumed Open, under the message limit) were walked, hashed and
+    checked on the server's loop, 0.4 s of it, though they could only end the session at once."""
+    limits = ServerLimits(vocab_size=100, max_context=64, max_new_tokens=32)
+    with pytest.raises(errors.InvalidOpen, match="committed_ids of 33 tokens exceed this server's max_new_tokens"):
+        ServerSession(OpenRequest((1, 2), 4, committed_ids=(1,) * 33), limits)
+    with pytest.raises(errors.PromptTooLong, match="prompt of 64 tokens"):
+        ServerSession(OpenRequest((1,) * 63 + (10**6,), 4), limits)  # too long, before its bad id is seen

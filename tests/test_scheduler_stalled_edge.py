@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import numpy as np
 
@@ -33,12 +33,15 @@ def test_a_session_whose_outbox_stays_full_is_ended() -> None:
     asyncio.run(main())
 
 
-class SlowEngine:
-    """A target pass of 50 ms that predicts token 7 everywhere."""
+class HeldEngine:
+    """A target pass that predicts token 7 everywhere, once the test lets it end."""
 
     verifies_branches = False
     split_width = 0
     vocab_size = 100
+
+    def __init__(self) -> None:
+        self.started, self.go = threading.Event(), threading.Event()
 
     def new_state(self) -> KVState:
         return KVState()
@@ -50,7 +53,8 @@ class SlowEngine:
         return len(items), max(it.feed_length for it in items)
 
     def verify_batch(self, items):  # type: ignore[no-untyped-def]
-        time.sleep(0.05)
+        self.started.set()
+        self.go.wait(10)
         return [np.full(len(it.drafts) + 1, 7) for it in items]
 
 
@@ -59,7 +63,8 @@ def test_an_outbox_that_fills_during_a_pass_ends_its_session_not_the_server() ->
     reading filled while the pass ran: the Done's put raised QueueFull out of the worker, and
     the server shut down for every session."""
     async def main() -> None:
-        worker = VerificationWorker(SlowEngine(), SchedulerConfig(outbox_size=4))  # type: ignore[arg-type]
+        engine = HeldEngine()
+        worker = VerificationWorker(engine, SchedulerConfig(outbox_size=4))  # type: ignore[arg-type]
         session = ServerSession(OpenRequest((1, 2), max_new_tokens=1, draft_mode=DraftMode.NONE),
                                 ServerLimits(vocab_size=100, max_context=100), "s")
         outbox: asyncio.Queue = asyncio.Queue(maxsize=4)
@@ -68,12 +73,15 @@ def test_an_outbox_that_fills_during_a_pass_ends_its_session_not_the_server() ->
         handle = SessionHandle(session, outbox, kv=KVState(), stream_task=stream)
         worker.add(handle)
         running = asyncio.create_task(worker.run())
-        await asyncio.sleep(0.02)  # the pass runs
+        await asyncio.get_running_loop().run_in_executor(None, engine.started.wait, 10)  # the pass runs
         outbox.put_nowait("more")  # the stream's reader queues while the edge reads nothing
         outbox.put_nowait("and more")
+        engine.go.set()
         await asyncio.sleep(0.2)
         assert not running.done(), running.exception()  # the worker serves on
-        assert handle.stalled and stream.cancelled() and "s" not in worker.sessions
+        # The servicer, whose task is cancelled, finds the handle stalled: it counts and logs
+        # the end so, and removes it.
+        assert handle.stalled and stream.cancelled() and worker.sessions["s"] is handle
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
         worker.close()

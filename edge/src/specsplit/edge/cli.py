@@ -40,7 +40,7 @@ from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import TEMPLATE_FAILED, EdgeTokenizer
 from specsplit.protocol.errors import ProtocolError
-from specsplit.protocol.messages import MAX_CHUNK, SamplingParams, VerificationMode
+from specsplit.protocol.messages import MAX_CHUNK, MAX_DIST_IDS, MAX_STOP_IDS, SamplingParams, VerificationMode
 
 VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MATCH, "sparse-q": VerificationMode.SPARSE_Q}
 
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with sparse-q the same distribution")
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
                    help="greedy (the default at temperature 0); sampled: match (the default above it) or sparse-q")
-    g.add_argument("--sparse-top-k", type=int, default=EdgeConfig.sparse_top_k, help="draft distribution size in sparse-q mode")
+    g.add_argument("--sparse-top-k", type=int, default=EdgeConfig.sparse_top_k, help=f"draft distribution size in sparse-q mode (at most {MAX_DIST_IDS})")
     g.add_argument("--window", type=int, default=EdgeConfig.window,
                    help="async: drafts allowed ahead of the committed point; with the adaptive window, at most this many")
     g.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=EdgeConfig.adaptive_window,
@@ -301,13 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async, greedy: beside its drafts, draft branches of up to this many tokens from the "
                    f"drafter's runner-up where rejections are likeliest (if that chance is at least {MIN_CHANCE}), "
                    "in the same batched steps as the drafts; the server verifies a branch in the pass that "
-                   "verifies the draft beside it (default %(default)s; 0: no branches)")
+                   f"verifies the draft beside it (at most {MAX_CHUNK}; default %(default)s; 0: no branches)")
     g.add_argument("--branches", type=int, choices=range(MAX_BRANCHES + 1), default=EdgeConfig.branches,
                    help="async, greedy: how many branches may be open beside the drafts at once "
                    "(default %(default)s; 0: none)")
     g.add_argument("--threads", type=int, default=1,
                    help="ONNX Runtime threads for the drafter (0: ONNX Runtime's default, one per core)")
-    g.add_argument("--stop-id", type=int, action="append", default=[], help="extra stop token id (repeatable)")
+    g.add_argument("--stop-id", type=int, action="append", default=[],
+                   help=f"extra stop token id (repeatable, at most {MAX_STOP_IDS})")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     g.add_argument("--tls", action="store_true",
                    help="connect over TLS, trusting gRPC's default public CAs (--tls-ca names a CA of your own)")

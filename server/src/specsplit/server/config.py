@@ -10,6 +10,9 @@ import grpc
 from specsplit.server.listeners import check_listeners
 
 IDLE_POLICIES = ("adaptive", "ar", "wait")
+# Free places a session's outbox needs before a pass takes it: the pass's Verdict and Done,
+# and one more the stream's reader may queue meanwhile (its half-close, or an error).
+OUTBOX_ROOM = 3
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class SchedulerConfig:
             raise ValueError(f"idle policy must be one of {IDLE_POLICIES}, got {self.idle_policy!r}")
         if self.pace_tokens_per_s < 0:
             raise ValueError("pace_tokens_per_s must be 0 (no pacing) or more")
+        if self.outbox_size <= OUTBOX_ROOM:  # no session would ever be verified (0 is no bound at all)
+            raise ValueError(f"outbox_size must be above {OUTBOX_ROOM}, got {self.outbox_size}")
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ import numpy as np
 
 from specsplit.common.acceptance import acceptance_estimate
 from specsplit.common.aio import within
-from specsplit.server.config import SchedulerConfig
 from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
+from specsplit.server.config import OUTBOX_ROOM, SchedulerConfig
 from specsplit.server.engine import Engine, KVState, VerifyItem
 from specsplit.server.metrics import ServerMetrics
 from specsplit.server.pace import PaceLog
@@ -53,11 +53,6 @@ PICK_LEAD = 1.5
 PICK_MARGIN_S = 0.002
 PICK_WEIGHT = 0.2  # of the latest pick in the pick's usual host time
 HOST_WEIGHT = 0.2  # of the latest pass in the host's usual time per session (_observe_host)
-
-
-# Free places a session's outbox needs before a pass takes it: the pass's Verdict and Done,
-# and one more the stream's reader may queue meanwhile (its half-close, or an error).
-OUTBOX_ROOM = 3
 
 
 @dataclass
@@ -557,10 +552,13 @@ class VerificationWorker:
         try:
             handle.outbox.put_nowait(item)
         except asyncio.QueueFull:
-            handle.stalled = True  # its servicer logs the end, with the edge's address
+            handle.stalled = True
             if handle.stream_task is not None:
+                # Its servicer finds the handle stalled, counts and logs the end so, and
+                # removes it; meanwhile a full outbox keeps it out of passes.
                 handle.stream_task.cancel()
-            self.remove(handle.session.session_id)
+            else:
+                self.remove(handle.session.session_id)
             return False
         return True
 

@@ -91,7 +91,7 @@ class MessageTooLarge(ProtocolError):
 
 
 class MalformedMessage(ProtocolError):
-    """Bytes that do not parse as an EdgeMessage."""
+    """Bytes that do not parse as an EdgeMessage, or one that carries none of its kinds."""
 
     status = "INVALID_ARGUMENT"
 

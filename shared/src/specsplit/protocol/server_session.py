@@ -112,22 +112,25 @@ class ServerSession:
             )
         if not req.prompt_ids:
             raise errors.InvalidOpen("prompt_ids is empty: send at least one token")
+        # Lengths first: what follows walks the ids, on the server's event loop.
+        if len(req.prompt_ids) >= limits.max_context:
+            raise errors.PromptTooLong(
+                f"prompt of {len(req.prompt_ids)} tokens leaves no room in the target's context of {limits.max_context}"
+            )
+        if len(req.committed_ids) > limits.max_new_tokens:  # they count toward max_new_tokens
+            raise errors.InvalidOpen(f"committed_ids of {len(req.committed_ids)} tokens exceed this server's "
+                                     f"max_new_tokens limit of {limits.max_new_tokens}")
+        if len(req.stop_ids) > MAX_STOP_IDS:  # each committed token is looked up in them
+            raise errors.InvalidOpen(f"{len(req.stop_ids)} stop ids exceed the limit of {MAX_STOP_IDS}")
         _check_ids(req.prompt_ids, limits.vocab_size, "prompt_ids")
         _check_ids(req.committed_ids, limits.vocab_size, "committed_ids")
         _check_ids(req.stop_ids, limits.vocab_size, "stop_ids")
-        if len(req.stop_ids) > MAX_STOP_IDS:  # each committed token is looked up in them, on the server's loop
-            raise errors.InvalidOpen(f"{len(req.stop_ids)} stop ids exceed the limit of {MAX_STOP_IDS}")
         req.sampling.validate()
         if req.max_new_tokens <= 0:
             raise errors.InvalidOpen("max_new_tokens must be at least 1")
         if req.max_new_tokens > limits.max_new_tokens:
             raise errors.InvalidOpen(
                 f"max_new_tokens {req.max_new_tokens} exceeds this server's limit of {limits.max_new_tokens}"
-            )
-        length = len(req.prompt_ids) + len(req.committed_ids)
-        if length >= limits.max_context and not req.committed_ids:
-            raise errors.PromptTooLong(
-                f"prompt of {length} tokens leaves no room in the target's context of {limits.max_context}"
             )
         return req.resolved_mode()
 
