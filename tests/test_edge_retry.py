@@ -31,6 +31,23 @@ def test_retry_delay(exc: Exception, delay: float | None) -> None:
     assert retry_delay(exc, 0.5) == delay
 
 
+@pytest.mark.parametrize("details", [
+    "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Tls handshake failed "
+    "(TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1a000064:ECDSA routines:OPENSSL_internal:BAD_SIGNATURE",
+    "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Custom verification check failed "
+    "with error: UNAUTHENTICATED: Hostname Verification Check failed.",
+])
+def test_a_failed_tls_handshake_is_retried_only_on_another_server(details: str) -> None:
+    """The same handshake fails the same way: retried five times, it cost about 15 s before
+    the error said which TLS setting to look at."""
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    assert retry_delay(exc, 0.5) is None
+    assert retry_delay(exc, 0.5, servers=2) == 0.5
+    socket_closed = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                         "failed to connect to all addresses; last error: UNAVAILABLE: Socket closed")
+    assert retry_delay(socket_closed, 0.5) == 0.5  # a server going away looks the same: retried
+
+
 def test_a_generation_needs_somewhere_to_go() -> None:
     with pytest.raises(ValueError, match="needs a server address"):
         asyncio.run(generate([], [1, 2, 3], EdgeConfig(mode="none")))

@@ -626,7 +626,9 @@ async def generate(
                 result.stats.reconnects = attempt
                 return result
             except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
-                least = retry_delay(exc, backoff)
+                servers = via.servers if isinstance(via, GenerateStream) else \
+                    1 if isinstance(via, grpc.aio.Channel) else len(via)
+                least = retry_delay(exc, backoff, servers)
                 if least is None or attempt == connect.retries:
                     raise
                 delay = spread(least)
@@ -674,12 +676,17 @@ def spread(least: float) -> float:
     return least * random.uniform(1.0, RETRY_SPREAD)
 
 
-def retry_delay(exc: Exception, backoff: float) -> float | None:
+def retry_delay(exc: Exception, backoff: float, servers: int = 1) -> float | None:
     """The least wait before re-opening after `exc`, or None if a retry would not help: a lost
     stream or server waits the backoff; a refusal that carries the server's pushback (a full
-    server) waits at least that long."""
+    server) waits at least that long. A failed TLS handshake (a CA that did not sign the
+    server's certificate, a name it does not hold, TLS to a plaintext port) fails the same way
+    on the same server: it is retried only where there are `servers` to fail over to."""
     if not isinstance(exc, grpc.aio.AioRpcError):
         return backoff
+    details = exc.details() or ""
+    if servers == 1 and ("handshake failed" in details.lower() or "Hostname Verification" in details):
+        return None
     if exc.code() == grpc.StatusCode.INTERNAL and (exc.details() or "").startswith(errors.VERIFICATION_FAILED):
         return None
     if exc.code() in RETRYABLE:

@@ -33,6 +33,11 @@ class GenerateStream:
         self._outgoing: asyncio.Queue[pb.EdgeMessage | None] = asyncio.Queue()
         self._carrying = False
 
+    @property
+    def servers(self) -> int:
+        """How many servers the stream fails over along."""
+        return len(self._stubs)
+
     @classmethod
     def on(cls, *channels: grpc.aio.Channel) -> GenerateStream:
         return cls(*(pb_grpc.SpecSplitStub(channel) for channel in channels))

@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = sub.add_parser("health", help="check a server with gRPC health checking (exit 0 if SERVING)",
                        parents=[after])
-    h.add_argument("--address", default="localhost:50051", help="HOST:PORT of the server")
+    h.add_argument("--address", default=f"localhost:{ServeConfig.port}", help="HOST:PORT of the server")
     h.add_argument("--service", default="", help="service name (default: the whole server)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for its answer")
     h.add_argument("--tls-ca", help="check over TLS, trusting this CA certificate (PEM; default with --tls-cert: "
