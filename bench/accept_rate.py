@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import numpy as np
 
 from cli_types import at_least, core, int_list, out_dir, report_name
 from orchestrate import free_port, machine, pin, server_and_edge_cores
+from report_files import save_report
 from specsplit.server.listeners import bind_listeners
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -173,11 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         args.client_core = client_cores[0]
     settings = Settings(listeners, args.callers, args.duration, args.turn_ms, args.server_core, args.client_core)
     report = measure(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    md = render(report, args.name)
-    (args.out_dir / f"{args.name}.md").write_text(md)
-    print(md)
+    save_report(args.out_dir, args.name, report, render(report, args.name))
     return 0
 
 

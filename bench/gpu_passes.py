@@ -32,6 +32,7 @@ from loadtest.machine import machine_info
 from loadtest.prompts import load_prompts
 from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS, write_config_target
+from report_files import save_report
 from specsplit.server import models
 from specsplit.server.cpu_linear import use_mlas_linears
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
@@ -282,11 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             del engine
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    out = args.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / f"{args.name}.md").write_text(render(report))
-    print(render(report))
+    save_report(args.out_dir, args.name, report, render(report))
     return 0
 
 

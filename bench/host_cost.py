@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from pathlib import Path
@@ -23,10 +22,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cli_types import at_least, fraction
 from loadtest.machine import machine_info
+from report_files import save_report
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits
 from specsplit.protocol.server_session import ServerSession
-from specsplit.server.loading import LoadedModel, make_echo
 from specsplit.server.config import SchedulerConfig
+from specsplit.server.loading import LoadedModel, make_echo
 from specsplit.server.scheduler import SessionHandle, VerificationWorker
 from specsplit.server.static_engine import StaticEngine
 
@@ -152,11 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine_info("cpu"),
               "torch": torch.__version__, "sessions": args.sessions, "passes": args.passes, "repeats": args.repeats,
               "window": args.window, "alpha": args.alpha, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # Suffixes added, not swapped: an OUT such as host-cost-1.5b keeps its whole name.
-    (args.out.parent / f"{args.out.name}.json").write_text(json.dumps(report, indent=1))
-    (args.out.parent / f"{args.out.name}.md").write_text(render(report))
-    print(render(report))
+    save_report(args.out.parent, args.out.name, report, render(report))
     return 0
 
 

@@ -9,7 +9,6 @@ Writes NAME.json and NAME.md into --out-dir (bench/results).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from gpu_passes import build_engine, pass_times
 from loadtest.machine import machine_info
 from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS
+from report_files import save_report
 from specsplit.server.static_engine import StaticEngine, kv_buckets
 
 HERE = Path(__file__).resolve().parent
@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             del engine
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out_dir / f"{args.name}.md").write_text(render(report))
-    print(render(report))
+    save_report(args.out_dir, args.name, report, render(report))
     return 0
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import replay_model as rm
 from cli_types import at_least, out_dir, report_name
 from prompt_set import benchmark_prompts
+from report_files import save_report
 from specsplit.edge.drafter import Drafter
 from tqdm import tqdm
 
@@ -225,10 +226,7 @@ def main() -> None:
         "measured": measured_speedups(bench["runs"], rtt),
         "scenarios": model_speedups(agreements, costs, link, args.sync_k),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(render(result))
-    print(render(result))
+    save_report(args.out, args.name, result, render(result))
 
 
 if __name__ == "__main__":
