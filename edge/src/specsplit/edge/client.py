@@ -27,7 +27,7 @@ import numpy as np
 
 from specsplit.common.aio import within
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
-from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, Drafter
+from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, BatchDrafter, BranchOffering, Drafter, TokenPicker
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.stats import GenerationStats
@@ -405,20 +405,19 @@ class _Generation:
         assert edge is not None and drafter is not None
         loop = asyncio.get_running_loop()
         sync = self.cfg.mode == "sync"
-        # Drafters that choose tokens themselves (prompt lookup, the load test's simulated
-        # edge) offer next_token(trajectory) -> id; greedy sessions use it directly.
-        pick = getattr(drafter, "next_token", None) if self.proposer.mode is VerificationMode.GREEDY else None
-        # A branch needs the drafter's runner-up, so model-free drafters draft none, unless they
-        # offer branch_beside(position, token, length) (the load test's simulated edge): None
-        # where the draft is right, else the branch to send beside it, () for none.
+        greedy = self.proposer.mode is VerificationMode.GREEDY
+        pick = drafter.next_token if greedy and isinstance(drafter, TokenPicker) else None
+        # A branch needs the drafter's runner-up, so token pickers draft none unless they offer
+        # them themselves.
         branching = (
             not sync and pick is None and self.cfg.branch_tokens > 0 and self.cfg.branches > 0
-            and self.proposer.mode is VerificationMode.GREEDY
+            and greedy
         )
         beside = (
-            getattr(drafter, "branch_beside", None) if not sync and pick is not None and self.cfg.branch_tokens > 0
-            else None
+            drafter.branch_beside if not sync and pick is not None and self.cfg.branch_tokens > 0
+            and isinstance(drafter, BranchOffering) else None
         )
+        batched = isinstance(drafter, BatchDrafter)
         awaiting: int | None = None  # sync: verdict count when the last round was sent
         while edge.done is None:
             if sync and awaiting is not None:
@@ -429,7 +428,7 @@ class _Generation:
             if branching:
                 self._open_branches()
             due = [b for b in edge.branches if self._branch_due(b)] if branching else []
-            if due and (edge.room() <= 0 or not hasattr(drafter, "next_logits_batch")):
+            if due and (edge.room() <= 0 or not batched):
                 await self._extend_branch(due[0])
                 continue
             if edge.room() <= 0:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
@@ -28,10 +28,34 @@ from specsplit.common.prefix import common_prefix
 
 
 class Drafter(Protocol):
-    """What the client drafts with. A drafter that picks tokens without a model may offer
-    `next_token(trajectory) -> int` instead, which greedy sessions call inline."""
+    """What the client drafts with. It may also be a TokenPicker, a BranchOffering or a
+    BatchDrafter, which the client uses where it is."""
 
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray: ...
+
+
+@runtime_checkable
+class TokenPicker(Protocol):
+    """A drafter that picks tokens without a model (prompt lookup, the load test's simulated
+    edges): greedy sessions call it inline instead of next_logits."""
+
+    def next_token(self, trajectory: Sequence[int]) -> int: ...
+
+
+@runtime_checkable
+class BranchOffering(Protocol):
+    """A TokenPicker that offers branches itself (it has no runner-up to draft them from)."""
+
+    def branch_beside(self, position: int, drafted: int, length: int) -> tuple[int, ...] | None:
+        """None where the draft at `position` is right, else the branch to send beside it, up
+        to `length` tokens (() for none)."""
+
+
+@runtime_checkable
+class BatchDrafter(Protocol):
+    """A drafter that steps several trajectories (the main line and its branches) in one run."""
+
+    def next_logits_batch(self, trajectories: Sequence[Sequence[int]]) -> list[np.ndarray]: ...
 
 
 @dataclass(eq=False)  # caches are told apart by identity: comparing their arrays would fail
