@@ -23,7 +23,7 @@ import grpc
 
 from specsplit.common.address import check_host_port
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
-from specsplit.common.tls import client_credentials
+from specsplit.common.tls import client_credentials, handshake_failed
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
@@ -434,7 +434,7 @@ def _tls_hint(details: str, args: argparse.Namespace) -> str:
     if "Hostname Verification" in details:
         return ("\n(the server's certificate does not name the host in --server: give the name it holds with "
                 "--tls-server-name)")
-    if "handshake failed" in details.lower():
+    if handshake_failed(details):
         if "WRONG_VERSION_NUMBER" in details:
             return "\n(the server does not seem to speak TLS: leave out --tls, --tls-ca, --tls-cert and --tls-key)"
         return ("\n(the TLS handshake failed: --tls-ca must hold the CA that signed the server's certificate, "

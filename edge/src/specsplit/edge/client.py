@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from specsplit.common.aio import within
+from specsplit.common.tls import handshake_failed
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, BatchDrafter, BranchOffering, Drafter, TokenPicker
 from specsplit.edge.lookahead import adaptive_window
@@ -252,7 +253,6 @@ class _Generation:
         self.commit_times = record.commit_times
         self.timeline = record.timeline
         self._t0 = record.t0
-        self._resumed = record.resumed
         self._record = record
         self.edge: EdgeSession | None = None
         self._changed = asyncio.Event()
@@ -341,7 +341,7 @@ class _Generation:
             if self.edge is not None:
                 self.stats.add_drafting(self.edge)
         assert self.edge is not None
-        self.stats.finish(len(self.edge.generated) - self._resumed, time.perf_counter() - t0, self.commit_times)
+        self.stats.finish(len(self.edge.generated) - self._record.resumed, time.perf_counter() - t0, self.commit_times)
         return GenerationResult(self.edge.generated, self.stats, opened, self.commit_times, self.timeline)
 
     async def _open(self, stream: GenerateStream) -> Opened:
@@ -608,6 +608,7 @@ async def generate(
     # A kept stream is the generation's from its first attempt to its last: another one
     # taking it during a retry's backoff would leave the retry nothing to re-open on.
     backoff = connect.backoff_s
+    servers = via.servers if isinstance(via, GenerateStream) else 1 if isinstance(via, grpc.aio.Channel) else len(via)
     record = _Record(GenerationStats(mode=cfg.mode), resumed=len(committed))
     with via.carrying() if isinstance(via, GenerateStream) else contextlib.nullcontext():
         for attempt in range(connect.retries + 1):
@@ -625,8 +626,6 @@ async def generate(
                 result.stats.reconnects = attempt
                 return result
             except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
-                servers = via.servers if isinstance(via, GenerateStream) else \
-                    1 if isinstance(via, grpc.aio.Channel) else len(via)
                 least = retry_delay(exc, backoff, servers)
                 if least is None or attempt == connect.retries:
                     raise
@@ -684,9 +683,9 @@ def retry_delay(exc: Exception, backoff: float, servers: int = 1) -> float | Non
     if not isinstance(exc, grpc.aio.AioRpcError):
         return backoff
     details = exc.details() or ""
-    if servers == 1 and ("handshake failed" in details.lower() or "Hostname Verification" in details):
+    if servers == 1 and handshake_failed(details):
         return None
-    if exc.code() == grpc.StatusCode.INTERNAL and (exc.details() or "").startswith(errors.VERIFICATION_FAILED):
+    if exc.code() == grpc.StatusCode.INTERNAL and details.startswith(errors.VERIFICATION_FAILED):
         return None
     if exc.code() in RETRYABLE:
         return backoff

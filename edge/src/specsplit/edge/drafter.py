@@ -75,6 +75,11 @@ HOLES_KEPT = 16  # padding columns a line's cache may carry before a single-row 
 BRANCHES = 2  # branches beside the main line that the drafter keeps a cache for
 
 
+def _check_not_empty(trajectory: Sequence[int]) -> None:
+    if len(trajectory) == 0:
+        raise ValueError("a trajectory needs at least one token: there is no next one to draft after none")
+
+
 def _read_only(logits: np.ndarray) -> np.ndarray:
     """Cached logits are handed out as they are, to every caller that asks again."""
     logits.flags.writeable = False
@@ -151,17 +156,15 @@ class OnnxDrafter:
     def next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
         """Logits for the token after `trajectory`, reusing the cached common prefix. The
         array is the cache's own, read-only: the next call for the same trajectory returns it."""
-        self._check(trajectory)
+        _check_not_empty(trajectory)
         with self._lock:
             return self._next_logits(trajectory)
 
-    def _check(self, trajectory: Sequence[int]) -> None:
-        """ValueError for what the model cannot take: ONNX Runtime's Gather would read a
-        negative id from the vocabulary's end, and an empty trajectory has no next token."""
-        if len(trajectory) == 0:
-            raise ValueError("a trajectory needs at least one token")
-        if not 0 <= min(trajectory) <= max(trajectory) < self.meta.vocab_size:
-            bad = next(t for t in trajectory if not 0 <= t < self.meta.vocab_size)
+    def _check_fed(self, ids: Sequence[int]) -> None:
+        """ValueError for ids the model cannot take: ONNX Runtime's Gather would read a negative
+        one from the vocabulary's end. Only the ids a step feeds: the cached ones were fed before."""
+        if not 0 <= min(ids) <= max(ids) < self.meta.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.meta.vocab_size)
             raise ValueError(f"token id {bad} is outside the draft's vocabulary [0, {self.meta.vocab_size})")
 
     def _next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
@@ -173,6 +176,7 @@ class OnnxDrafter:
             columns = cache.mask.astype(bool)
             cache.past, cache.mask = [t[:, :, columns] for t in cache.past], cache.mask[columns]
         feed_ids = list(trajectory[keep:])
+        self._check_fed(feed_ids)
         total = keep + len(feed_ids)
         mask = np.concatenate([cache.mask, np.ones(len(feed_ids), dtype=np.int64)])
         feed = {
@@ -193,7 +197,7 @@ class OnnxDrafter:
         one-row runs here, 4-bit weights; 1.25 int8), since the weights are read once; the
         shorter caches are padded, and the mask hides the padding."""
         for trajectory in trajectories:
-            self._check(trajectory)
+            _check_not_empty(trajectory)
         with self._lock:
             return self._next_logits_batch(trajectories)
 
@@ -205,6 +209,7 @@ class OnnxDrafter:
         if len({id(c) for c, _ in caches}) < len(caches) or any(
                 keep != len(t) - 1 for (_, keep), t in zip(caches, trajectories)):
             return [self._next_logits(t) for t in trajectories]
+        self._check_fed([t[-1] for t in trajectories])
         last = caches[0][0].batch
         rows = [c.batch[1] if c.batch is not None and last is not None and c.batch[0] is last[0] else -1
                 for c, _ in caches]

@@ -69,3 +69,10 @@ def client_credentials(ca: str | None, cert: str | None, key: str | None,
             raise ValueError(f"{flag} {path} cannot be read ({exc.strerror})") from None
 
     return grpc.ssl_channel_credentials(read("--tls-ca", ca), read("--tls-key", key), read("--tls-cert", cert))
+
+
+def handshake_failed(details: str) -> bool:
+    """Whether a failed call's details (gRPC's UNAVAILABLE) say the TLS handshake failed: a CA
+    that did not sign the server's certificate, a name it does not hold, TLS to a plaintext
+    port. Unlike a lost server, the same handshake fails the same way again."""
+    return "handshake failed" in details.lower() or "Hostname Verification" in details
