@@ -279,10 +279,10 @@ def test_a_branch_never_grows_past_one_chunk() -> None:
     """With --branch-tokens and a server's lookahead both past the chunk limit, a branch
     (sent whole each time it grows) reached 70 tokens and the server refused the chunk,
     ending the generation."""
-    from specsplit.edge.client import _Generation
+    from specsplit.edge.attempt import Attempt
     from specsplit.protocol.edge_session import EdgeSession
     from specsplit.protocol.messages import MAX_CHUNK
 
-    gen = _Generation(None, [1, 2], EdgeConfig(mode="none", window=100, branch_tokens=100), "", "", [], None)
+    gen = Attempt(None, [1, 2], EdgeConfig(mode="none", window=100, branch_tokens=100), "", "", [], None)
     gen.edge, gen._server_lookahead = EdgeSession([1, 2], 100), 128
     assert gen._branch_room(2) == MAX_CHUNK

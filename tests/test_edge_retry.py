@@ -6,7 +6,8 @@ import asyncio
 import grpc
 import pytest
 
-from specsplit.edge.client import RETRY_SPREAD, EdgeConfig, StreamStalled, generate, retry_delay, spread
+from specsplit.edge.client import EdgeConfig, StreamStalled, generate
+from specsplit.edge.retry import RETRY_SPREAD, retry_delay, spread
 
 
 def _refused(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioRpcError:

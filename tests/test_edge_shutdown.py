@@ -9,7 +9,8 @@ import time
 import grpc
 import numpy as np
 
-from specsplit.edge.client import EdgeConfig, _Generation
+from specsplit.edge.attempt import Attempt
+from specsplit.edge.client import EdgeConfig
 from specsplit.edge.stream import GenerateStream
 from specsplit.protocol import codec
 from specsplit.protocol.messages import Opened
@@ -57,7 +58,7 @@ class StreamThatEnds:
 
 def test_a_generation_ending_mid_step_waits_for_the_drafter() -> None:
     drafter = SlowDrafter()
-    gen = _Generation(drafter, [1, 2, 3], EdgeConfig(mode="async", max_new_tokens=8), "", "", [], None)
+    gen = Attempt(drafter, [1, 2, 3], EdgeConfig(mode="async", max_new_tokens=8), "", "", [], None)
 
     async def main() -> None:
         try:

@@ -1,0 +1,26 @@
+"""How a generation ends early, from the caller's side: the failures it may raise."""
+from __future__ import annotations
+
+import grpc
+
+
+class StreamEnded(ConnectionError):
+    """The server ended the call before the session's Done."""
+
+
+class OnCommitFailed(Exception):
+    """The caller's on_commit raised (its exception is the cause): the caller's own failure
+    (a closed stdout, say), which ends the generation and is never retried, though it may be
+    an OSError as a lost connection is."""
+
+
+class StreamStalled(Exception):
+    """Nothing came from the server for longer than the stall timeout: to the caller, the
+    server is as UNAVAILABLE as one that refuses connections."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
