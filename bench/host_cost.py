@@ -59,7 +59,7 @@ def _answer(handle: SessionHandle, window: int, alpha: float, rng: random.Random
     n = s.committed_len + window - tip
     if n > 0:
         drafts = tuple(right if rng.random() < alpha else right % 999 + 1 for _ in range(n))
-        s.receive_draft(DraftChunk(tip, drafts, s._seq.hash_before(tip)))
+        s.receive_draft(DraftChunk(tip, drafts, s._line.hash_before(tip)))
 
 
 async def measure(sessions: int, mode: DraftMode, passes: int, window: int, alpha: float, seed: int) -> dict:

@@ -104,11 +104,11 @@ class Network:
 
     def check_candidates_came_from_the_edge(self) -> None:
         """The server's trajectory past its committed point is one the edge really drafted."""
-        self.edge_prefixes.update(self.edge._seq.hashes)
+        self.edge_prefixes.update(self.edge._line.hashes)
         s = self.session
         assert s is None or s.candidate_count == len(s.candidates)
         if s is not None and s.candidate_tip > s.committed_len:
-            assert s._seq.hashes[-1] in self.edge_prefixes, "the server admitted a trajectory the edge never held"
+            assert s._line.hashes[-1] in self.edge_prefixes, "the server admitted a trajectory the edge never held"
 
     # -- actions ---------------------------------------------------------------
 
@@ -178,7 +178,7 @@ class Network:
         drafts of the last one still in flight ahead of the new Open."""
         old = self.edge
         if stale:
-            self.up.append(DraftChunk(old.committed_len, tuple(range(1, stale + 1)), old._seq.hash_before(old.committed_len)))
+            self.up.append(DraftChunk(old.committed_len, tuple(range(1, stale + 1)), old._line.hash_before(old.committed_len)))
         self.prompt, self.max_new = list(prompt), max_new
         self.edge = EdgeSession(self.prompt, self.window)
         self.up.append(OpenRequest(prompt_ids=tuple(self.prompt), max_new_tokens=self.max_new))

@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from specsplit.protocol import errors
-from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import Done, DraftChunk, SparseDist, Verdict
+from specsplit.protocol.trajectory import Trajectory
 
 
 class EdgeSession:
@@ -28,10 +28,8 @@ class EdgeSession:
             raise ValueError("a generation needs a prompt")
         self.prompt_len = len(prompt_ids)
         self.window = window
-        self._seq = HashedSequence([*prompt_ids, *committed_ids])
-        self.committed_len = len(self._seq)
+        self._line = Trajectory([*prompt_ids, *committed_ids])
         self.sent_len = self.committed_len
-        self._dists: list[SparseDist | None] = []  # one per speculative position
         self._chunks_sent = 0
         # (chunk index, end position; None for a branch, which moves no tip)
         self._in_flight: deque[tuple[int, int | None]] = deque()
@@ -46,22 +44,26 @@ class EdgeSession:
     # -- views -----------------------------------------------------------------
 
     @property
+    def committed_len(self) -> int:
+        return self._line.committed_len
+
+    @property
     def tokens(self) -> list[int]:
         """Committed + speculative tokens; do not mutate."""
-        return self._seq.tokens
+        return self._line.tokens
 
     @property
     def generated(self) -> list[int]:
-        return self._seq.tokens[self.prompt_len : self.committed_len]
+        return self._line.tokens[self.prompt_len : self.committed_len]
 
     @property
     def tip(self) -> int:
         """Hash of the whole trajectory: a cheap test of whether it changed."""
-        return self._seq.hash_before(len(self._seq))
+        return self._line.hash_before(len(self._line))
 
     @property
     def speculative(self) -> int:
-        return len(self._seq) - self.committed_len
+        return self._line.speculative
 
     def room(self) -> int:
         """How many more tokens may be drafted before a verdict opens the window."""
@@ -74,24 +76,22 @@ class EdgeSession:
             raise ValueError("the generation is over")
         if self.room() <= 0:
             raise ValueError("the lookahead window is full")
-        self._seq.append(token)
-        self._dists.append(dist)
+        self._line.push(token, dist)
         self.drafted += 1
 
     def next_chunk(self, max_tokens: int | None = None) -> DraftChunk | None:
         """Drafts not yet sent, as one chunk of at most `max_tokens` (None if there are none)."""
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"a chunk holds at least one token, got max_tokens={max_tokens}")
-        if self.done is not None or self.sent_len >= len(self._seq):
+        if self.done is not None or self.sent_len >= len(self._line):
             return None
         start = self.sent_len
-        end = len(self._seq) if max_tokens is None else min(len(self._seq), start + max_tokens)
-        spec = slice(start - self.committed_len, end - self.committed_len)
-        dists = self._dists[spec]
+        end = len(self._line) if max_tokens is None else min(len(self._line), start + max_tokens)
+        dists = self._line.dists(start, end)
         chunk = DraftChunk(
             start=start,
-            tokens=tuple(self._seq.tokens[start:end]),
-            parent_hash=self._seq.hash_before(start),
+            tokens=tuple(self._line.tokens[start:end]),
+            parent_hash=self._line.hash_before(start),
             dists=tuple(dists) if all(d is not None for d in dists) else (),  # type: ignore[arg-type]
         )
         self._in_flight.append((self._chunks_sent, end))
@@ -119,7 +119,7 @@ class EdgeSession:
             raise ValueError(
                 f"a branch must stand beside a sent draft: {start} is outside [{self.committed_len}, {self.sent_len})"
             )
-        if not tokens or tokens[0] == self._seq.tokens[start]:
+        if not tokens or tokens[0] == self._line.tokens[start]:
             raise ValueError("a branch's first token must differ from the draft it stands beside")
         old = self._branches.get(start)
         if old is not None and tuple(tokens[: len(old)]) != old:
@@ -128,7 +128,7 @@ class EdgeSession:
         self._branches[start] = tuple(tokens)
         self._in_flight.append((self._chunks_sent, None))
         self._chunks_sent += 1
-        return DraftChunk(start=start, tokens=tuple(tokens), parent_hash=self._seq.hash_before(start), branch=True)
+        return DraftChunk(start=start, tokens=tuple(tokens), parent_hash=self._line.hash_before(start), branch=True)
 
     # -- verdicts in -----------------------------------------------------------
 
@@ -144,27 +144,23 @@ class EdgeSession:
             )
         new = verdict.tokens
         switched = self._follow_branch(new)
-        held = min(len(new), len(self._seq) - self.committed_len)  # drafts the verdict's tokens stand on
-        agree = self._seq.agreement(self.committed_len, new)
+        held = min(len(new), self._line.speculative)  # drafts the verdict's tokens stand on
+        diverged = self.committed_len + self._line.agreement(new)  # the first position it changes, if any
+        drafted_to = len(self._line)
+        agree = self._line.commit(new)
         resync = switched
         if agree < len(new):
-            resync = self.committed_len + agree if switched is None else switched  # a switch comes first
-            self.wasted += len(self._seq) - (self.committed_len + agree)
-            self._seq.truncate(self.committed_len + agree)
-            del self._dists[agree:]
-            self._seq.extend(new[agree:])
-            self._dists.extend([None] * (len(new) - agree))
+            resync = diverged if switched is None else switched  # a switch comes first
+            self.wasted += drafted_to - diverged
             if agree < held:
                 # Everything sent past the divergence is stale on the server too.
-                self.sent_len = self.committed_len + agree
+                self.sent_len = diverged
                 self._in_flight.clear()
-        del self._dists[: len(new)]
-        self.committed_len += len(new)
         self.sent_len = max(self.sent_len, self.committed_len)
         if switched is not None:
             # The server holds as candidates what the verdict says of the branch; what it
             # lacks (a longer branch still on its way, say) goes again as plain drafts.
-            self.sent_len = min(len(self._seq), self.committed_len + verdict.branch_tokens)
+            self.sent_len = min(len(self._line), self.committed_len + verdict.branch_tokens)
             self._in_flight.clear()
         # A branch for a committed position is spent; one past a change hangs off drafts now gone.
         self._branches = {
@@ -177,18 +173,15 @@ class EdgeSession:
         """If the verdict's tokens leave this edge's drafts where it sent a branch, taking
         the branch's first token there, make the branch its drafts from that position on, as
         the server does; returns the position, or None."""
-        agree = self._seq.agreement(self.committed_len, new)
+        agree = self._line.agreement(new)
         position = self.committed_len + agree
-        if agree == len(new) or position == len(self._seq):
+        if agree == len(new) or position == len(self._line):
             return None
         branch = self._branches.pop(position, None)
         if branch is None or branch[0] != new[agree]:
             return None
-        self.wasted += len(self._seq) - position
-        del self._dists[position - self.committed_len :]
-        self._seq.truncate(position)
-        self._seq.extend(branch)
-        self._dists.extend([None] * len(branch))
+        self.wasted += len(self._line) - position
+        self._line.replace_from(position, branch)
         self.branches_taken += 1
         return position
 
@@ -201,7 +194,7 @@ class EdgeSession:
             expected_tip = end if end is not None else expected_tip
         if expected_tip is None:
             return
-        expected_tip = min(expected_tip, len(self._seq))
+        expected_tip = min(expected_tip, len(self._line))
         if verdict.candidate_tip < expected_tip:
             self.sent_len = max(self.committed_len, min(self.sent_len, verdict.candidate_tip))
             self._in_flight.clear()
@@ -217,8 +210,7 @@ class EdgeSession:
                 f"Done says {done.committed_length} tokens are committed, the edge has {self.committed_len}"
             )
         self.wasted += self.speculative
-        self._seq.truncate(self.committed_len)
-        self._dists.clear()
+        self._line.cut(self.committed_len)
         self._branches.clear()
         self.done = done
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from specsplit.protocol import errors
-from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import (
     MAX_DIST_IDS,
     MAX_STOP_IDS,
@@ -39,6 +38,7 @@ from specsplit.protocol.messages import (
     Verdict,
     VerificationMode,
 )
+from specsplit.protocol.trajectory import Trajectory
 from specsplit.protocol.verification import verify
 
 MAX_BRANCHES = 8  # branches a session keeps aside; a newer one pushes out the oldest
@@ -79,11 +79,9 @@ class ServerSession:
         self.mode = self._validate_open(request, limits)
         self.prompt_len = len(request.prompt_ids)
         self.max_new = request.max_new_tokens
-        self._seq = HashedSequence(request.prompt_ids + request.committed_ids)
+        self._line = Trajectory(request.prompt_ids + request.committed_ids)
         # Positions before the floor were fixed when the session opened; no draft may touch them.
-        self.floor = len(self._seq)
-        self.committed_len = len(self._seq)
-        self._dists: list[SparseDist | None] = []  # one per candidate position
+        self.floor = len(self._line)
         self.done: Done | None = None
         self.verifications = 0
         self.chunks_received = 0
@@ -137,26 +135,30 @@ class ServerSession:
     # -- views -----------------------------------------------------------------
 
     @property
+    def committed_len(self) -> int:
+        return self._line.committed_len
+
+    @property
     def tokens(self) -> list[int]:
         """The whole trajectory (committed + candidates); do not mutate."""
-        return self._seq.tokens
+        return self._line.tokens
 
     @property
     def candidates(self) -> list[int]:
-        return self._seq.tokens[self.committed_len :]
+        return self._line.tokens[self.committed_len :]
 
     @property
     def generated(self) -> list[int]:
-        return self._seq.tokens[self.prompt_len : self.committed_len]
+        return self._line.tokens[self.prompt_len : self.committed_len]
 
     @property
     def candidate_count(self) -> int:
         """len(candidates), without copying them: the scheduler asks for every session every round."""
-        return len(self._seq) - self.committed_len
+        return self._line.speculative
 
     @property
     def candidate_tip(self) -> int:
-        return len(self._seq)
+        return len(self._line)
 
     def opened(self) -> Opened:
         return Opened(
@@ -168,10 +170,6 @@ class ServerSession:
         )
 
     # -- drafts in -------------------------------------------------------------
-
-    def _truncate(self, length: int) -> None:
-        self._seq.truncate(length)
-        del self._dists[max(0, length - self.committed_len) :]
 
     def _validate_draft(self, chunk: DraftChunk) -> None:
         if not chunk.tokens:
@@ -234,22 +232,21 @@ class ServerSession:
             self._keep_branch(chunk)
             return 0
         self.drafts_received += len(chunk.tokens)  # the line's drafts: the scheduler times their arrival
-        if chunk.start > len(self._seq) or chunk.parent_hash != self._seq.hash_before(chunk.start):
+        if chunk.start > len(self._line) or chunk.parent_hash != self._line.hash_before(chunk.start):
             self.drafts_dropped += len(chunk.tokens)
             return 0
         admitted = 0
         for j, tok in enumerate(chunk.tokens):
             pos = chunk.start + j
-            if pos < len(self._seq):
-                if self._seq.tokens[pos] == tok:
+            if pos < len(self._line):
+                if self._line.tokens[pos] == tok:
                     continue  # already held (a resend or a confirmed draft)
                 if pos < self.committed_len:
                     self.drafts_dropped += len(chunk.tokens) - j
                     return admitted
                 # The edge re-drafted from here after a rollback: its new trajectory wins.
-                self._truncate(pos)
-            self._seq.append(tok)
-            self._dists.append(chunk.dists[j] if chunk.dists else None)
+                self._line.cut(pos)
+            self._line.push(tok, chunk.dists[j] if chunk.dists else None)
             admitted += 1
         return admitted
 
@@ -258,9 +255,9 @@ class ServerSession:
         start = chunk.start
         if (
             start < self.committed_len
-            or start >= len(self._seq)
-            or chunk.parent_hash != self._seq.hash_before(start)
-            or chunk.tokens[0] == self._seq.tokens[start]
+            or start >= len(self._line)
+            or chunk.parent_hash != self._line.hash_before(start)
+            or chunk.tokens[0] == self._line.tokens[start]
         ):
             self.drafts_dropped += len(chunk.tokens)
             return
@@ -274,16 +271,14 @@ class ServerSession:
         """If the tokens about to be committed leave the candidates where a branch stands
         and take the branch's first token there, make the branch the candidates from that
         position on (the edge, which sent it, does the same); returns whether it did."""
-        agree = self._seq.agreement(self.committed_len, new)
+        agree = self._line.agreement(new)
         position = self.committed_len + agree
-        if agree == len(new) or position == len(self._seq):
+        if agree == len(new) or position == len(self._line):
             return False
         branch = self._branches.pop((position, new[agree]), None)
-        if branch is None or branch[0] != self._seq.hash_before(position):
+        if branch is None or branch[0] != self._line.hash_before(position):
             return False
-        self._truncate(position)
-        self._seq.extend(branch[1])
-        self._dists.extend([None] * len(branch[1]))
+        self._line.replace_from(position, branch[1])
         self.branches_taken += 1
         return True
 
@@ -296,15 +291,15 @@ class ServerSession:
             return None
         remaining_new = self.max_new - (self.committed_len - self.prompt_len)
         room = self.limits.max_context - self.committed_len
-        n = max(0, min(max_drafts, len(self._seq) - self.committed_len, remaining_new - 1, room - 1))
+        n = max(0, min(max_drafts, self._line.speculative, remaining_new - 1, room - 1))
         start = self.committed_len
-        dists = tuple(self._dists[:n]) if self.mode is VerificationMode.SPARSE_Q else ()
-        drafts = tuple(self._seq.tokens[start : start + n])
+        dists = tuple(self._line.dists(start, start + n)) if self.mode is VerificationMode.SPARSE_Q else ()
+        drafts = tuple(self._line.tokens[start : start + n])
         branches = tuple(
             # No longer than the drafts it would replace: the pass feeds both.
             TaskBranch(position, tokens[: start + n - position])
             for (position, _), (parent, tokens) in sorted(self._branches.items())
-            if start <= position < start + n and parent == self._seq.hash_before(position)
+            if start <= position < start + n and parent == self._line.hash_before(position)
         )
         return VerifyTask(start, drafts, dists, branches)  # type: ignore[arg-type]
 
@@ -356,13 +351,7 @@ class ServerSession:
         considered = offered if reason is None else min(offered, cut)
         switched = self._follow_branch(new)
         # Keep candidates beyond the new tokens only if they continue the committed trajectory.
-        agree = self._seq.agreement(self.committed_len, new)
-        if agree < len(new):
-            self._truncate(self.committed_len + agree)
-            self._seq.extend(new[agree:])
-            self._dists.extend([None] * (len(new) - agree))
-        del self._dists[: len(new)]
-        self.committed_len += len(new)
+        self._line.commit(new)
         self.verifications += 1
         self.drafts_accepted += accepted
         if accepted < considered:
@@ -375,7 +364,7 @@ class ServerSession:
                 tokens=tuple(new),
                 accepted=accepted,
                 proposed=considered,
-                candidate_tip=len(self._seq) if reason is None else self.committed_len,
+                candidate_tip=len(self._line) if reason is None else self.committed_len,
                 verifications=self.verifications,
                 chunks_received=self.chunks_received,
                 drafts_dropped=self.drafts_dropped,
@@ -388,7 +377,7 @@ class ServerSession:
         return events
 
     def _finish(self, reason: DoneReason) -> None:
-        self._truncate(self.committed_len)
+        self._line.cut(self.committed_len)
         self._branches.clear()
         self.done = Done(reason, self.committed_len)
 
