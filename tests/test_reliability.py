@@ -483,7 +483,7 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--max-lookahead", "0"], "--max-lookahead must be at least 1"),
         (["--target", "/no/such/model", "--max-context", "-5"], "--max-context must be at least 1"),
         (["--target", "/no/such/model", "--threads", "-1"], "--threads must be 0 or more"),
-        (["--target", "/no/such/model", "--port", "70000"], "port 70000 is out of range"),
+        (["--target", "/no/such/model", "--port", "70000"], "--port must be 0 (any free port) to 65535, got 70000"),
         (["--target", "/no/such/model", "--tls-cert", "/no/cert", "--tls-key", "/no/key"], "--tls-cert /no/cert: no such file"),
         (["--target", "/no/such/model", "--tls-cert", "/no/cert"], "--tls-cert and --tls-key go together"),
         (["--target", "/no/such/model", "--tokens-file", "/no/tokens"], "--tokens-file /no/tokens: no such file"),
@@ -493,6 +493,11 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--grace", "nan"], "--grace must be 0 or more"),
         (["--target", "/no/such/model", "--max-message-bytes", "99999999999"], "at most 2147483647"),
         (["--target", "/no/such/model", "--engine", "static", "--static-max-len", "16"], "--static-max-len must be at least 128"),
+        # Config fields under flags of other names (and units) are named by their flags.
+        (["--target", "/no/such/model", "--idle-wait-ms", "-1"], "--idle-wait-ms must be 0 or more, got -1.0"),
+        (["--target", "/no/such/model", "--max-new-tokens-limit", "0"], "--max-new-tokens-limit must be at least 1"),
+        (["--target", "/no/such/model", "--max-batch-tokens", "0"], "--max-batch-tokens must be at least 1"),
+        (["--target", "/no/such/model", "--metrics-host", "127.0.0.2"], "--metrics-host places the metrics"),
     ],
 )
 def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:

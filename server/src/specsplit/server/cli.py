@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specsplit.common.address import check_host_port
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
-from specsplit.server.config import IDLE_POLICIES, SchedulerConfig, ServeConfig, TLSConfig, resolve_engine
+from specsplit.server.config import IDLE_POLICIES, SchedulerConfig, ServeConfig, resolve_engine
 
 # Not __name__: under `python -m` that is __main__, outside the "specsplit" logger whose level main() sets.
 log = logging.getLogger("specsplit.server.cli")
@@ -41,7 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.serve_checks import check_serve_args
 
     try:
-        tokens = check_serve_args(args)
+        sched, cfg = check_serve_args(args)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -119,37 +119,6 @@ def _serve(args: argparse.Namespace) -> int:
     warm_up(engine)
     log.info("warmed up in %.1f s", time.monotonic() - t0)
     settle_heap()
-    sched = SchedulerConfig(
-        max_verify_tokens=args.max_verify_tokens,
-        max_batch_sessions=args.max_batch_sessions,
-        max_batch_tokens=args.max_batch_tokens,
-        adaptive=not args.fixed_verify,
-        idle_policy=args.idle_policy,
-        idle_wait_s=args.idle_wait_ms / 1000,
-        max_wait_s=args.max_wait_ms / 1000,
-        stalled_edge_s=args.stalled_edge_timeout,
-        pace_tokens_per_s=args.pace_tokens_per_s,
-    )
-    tls = TLSConfig(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_client_ca) if args.tls_client_ca else None) \
-        if args.tls_cert else None
-    cfg = ServeConfig(
-        host=args.host,
-        port=args.port,
-        max_sessions=args.max_sessions,
-        max_lookahead=args.max_lookahead,
-        max_context=args.max_context,
-        max_new_tokens=args.max_new_tokens_limit,
-        max_message_bytes=args.max_message_bytes,
-        grace_s=args.grace,
-        idle_stream_s=args.idle_stream_timeout,
-        max_idle_streams=args.max_idle_streams,
-        metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
-        tls=tls,
-        tokens=tokens,
-        listeners=args.listeners,
-        model_name=args.model_name,
-    )
     asyncio.run(serve(engine, sched, cfg))
     return 0
 

@@ -2,17 +2,41 @@
 defaults from here and check them before a model loads."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from specsplit.server.listeners import check_listeners
+from specsplit.server.listeners import MAX_MESSAGE_BYTES
 
 IDLE_POLICIES = ("adaptive", "ar", "wait")
 # Free places a session's outbox needs before a pass takes it: the pass's Verdict and Done,
 # and one more the stream's reader may queue meanwhile (its half-close, or an error).
 OUTBOX_ROOM = 3
+
+
+class ConfigError(ValueError):
+    """A setting the server cannot run with; `field` names it (a field of SchedulerConfig or
+    ServeConfig), `problem` says what it must be, `value` is what it was."""
+
+    def __init__(self, field_name: str, problem: str, value: object) -> None:
+        super().__init__(f"{field_name} {problem}, got {value!r}")
+        self.field = field_name
+        self.problem = problem
+        self.value = value
+
+
+def _check_ranges(cfg: object, at_least_one: tuple[str, ...] = (), not_negative: tuple[str, ...] = (),
+                  positive: tuple[str, ...] = ()) -> None:
+    """ConfigError for the first of these fields out of its range. Written so that NaN, which
+    every comparison fails, fails them too (a NaN switch interval aborted Python)."""
+    for names, ok, problem in ((at_least_one, lambda v: v >= 1, "must be at least 1"),
+                               (not_negative, lambda v: 0 <= v < math.inf, "must be 0 or more"),
+                               (positive, lambda v: 0 < v < math.inf, "must be above 0")):
+        for name in names:
+            if not ok(getattr(cfg, name)):
+                raise ConfigError(name, problem, getattr(cfg, name))
 
 
 @dataclass(frozen=True)
@@ -35,14 +59,12 @@ class SchedulerConfig:
     pace_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.max_batch_sessions < 1 or self.max_batch_tokens < 1:
-            raise ValueError("max_batch_sessions and max_batch_tokens must be at least 1")
+        _check_ranges(self, at_least_one=("max_verify_tokens", "max_batch_sessions", "max_batch_tokens"),
+                      not_negative=("idle_wait_s", "max_wait_s", "pace_tokens_per_s"), positive=("stalled_edge_s",))
         if self.idle_policy not in IDLE_POLICIES:
-            raise ValueError(f"idle policy must be one of {IDLE_POLICIES}, got {self.idle_policy!r}")
-        if self.pace_tokens_per_s < 0:
-            raise ValueError("pace_tokens_per_s must be 0 (no pacing) or more")
-        if self.outbox_size <= OUTBOX_ROOM:  # no session would ever be verified (0 is no bound at all)
-            raise ValueError(f"outbox_size must be above {OUTBOX_ROOM}, got {self.outbox_size}")
+            raise ConfigError("idle_policy", f"must be one of {IDLE_POLICIES}", self.idle_policy)
+        if not self.outbox_size > OUTBOX_ROOM:  # no session would ever be verified (0 is no bound at all)
+            raise ConfigError("outbox_size", f"must be above {OUTBOX_ROOM}", self.outbox_size)
 
 
 @dataclass(frozen=True)
@@ -91,9 +113,23 @@ class ServeConfig:
     model_name: str | None = None  # what edges see in Opened; None: the target's own name (sources.served_name)
 
     def __post_init__(self) -> None:
-        check_listeners(self.listeners)  # before the model loads, not when the port is bound
-        if not self.idle_stream_s > 0:
-            raise ValueError(f"the idle stream timeout must be above 0 s, got {self.idle_stream_s}")
+        """Checked here, where serve's command line builds this before the model loads: a
+        setting the server cannot run with, or runs refusing every session with, shows at once."""
+        _check_ranges(self, at_least_one=("max_sessions", "max_lookahead", "max_new_tokens", "max_message_bytes",
+                                          "listeners"),
+                      not_negative=("grace_s", "max_idle_streams"),
+                      positive=("keepalive_s", "keepalive_timeout_s", "idle_stream_s"))
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", "must be 0 (any free port) to 65535", self.port)
+        if self.max_context is not None and not self.max_context >= 1:
+            raise ConfigError("max_context", "must be at least 1 (or None: the target's)", self.max_context)
+        if self.max_message_bytes > MAX_MESSAGE_BYTES:  # gRPC's limits are C ints
+            raise ConfigError("max_message_bytes", f"must be at most {MAX_MESSAGE_BYTES}", self.max_message_bytes)
+        if self.metrics_host is not None and self.metrics_port is None:
+            raise ConfigError("metrics_host", "places the metrics: give a metrics port too", self.metrics_host)
+        if self.metrics_port is not None and (self.metrics_port == self.port or not 1 <= self.metrics_port <= 65535):
+            raise ConfigError("metrics_port", "must be a port from 1 to 65535 other than the serving port",
+                              self.metrics_port)
 
 
 def resolve_engine(engine: str, device: str) -> str:

@@ -21,11 +21,6 @@ from specsplit.common.address import bracketed
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 
-def check_listeners(count: int) -> None:
-    if count < 1:
-        raise ValueError(f"listeners must be at least 1, got {count}")
-
-
 def check_port_free(host: str, port: int) -> None:
     """Raise OSError if something already listens on host:port, or no address of `host` can
     be bound there. Port 0 (any free one) is always free. Like gRPC, a host name whose
@@ -63,7 +58,8 @@ def bind_listeners(count: int, host: str, port: int, register: Callable[[grpc.ai
                    credentials: grpc.ServerCredentials | None = None) -> tuple[list[grpc.aio.Server], int]:
     """`count` servers bound to host:port (0: a free port), each given its handlers by
     `register`; not started. Returns them and the port they share."""
-    check_listeners(count)
+    if count < 1:
+        raise ValueError(f"listeners must be at least 1, got {count}")
     check_port_free(host, port)
     servers: list[grpc.aio.Server] = []
     for _ in range(count):

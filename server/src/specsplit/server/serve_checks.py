@@ -12,13 +12,15 @@ from pathlib import Path
 
 from specsplit.common.tls import check_pem
 from specsplit.server.auth import load_tokens
-from specsplit.server.config import resolve_engine
-from specsplit.server.listeners import MAX_MESSAGE_BYTES, check_port_free
+from specsplit.server.config import ConfigError, SchedulerConfig, ServeConfig, TLSConfig, resolve_engine
+from specsplit.server.listeners import check_port_free
 
-AT_LEAST_ONE = ("listeners", "max_batch_sessions", "max_batch_tokens", "max_sessions", "max_lookahead",
-                "max_new_tokens_limit", "max_message_bytes", "static_max_len", "max_verify_tokens")
-NOT_NEGATIVE = ("threads", "max_idle_streams", "idle_wait_ms", "max_wait_ms", "grace", "pace_tokens_per_s")
-POSITIVE = ("stalled_edge_timeout", "idle_stream_timeout", "gil_switch_ms")
+# serve's own settings, which no config holds (the configs check theirs: config.py).
+NOT_NEGATIVE = ("threads",)
+POSITIVE = ("gil_switch_ms",)
+# The flags of the config fields named otherwise (in other units, some).
+FLAG_OF = {"max_new_tokens": "max_new_tokens_limit", "grace_s": "grace", "stalled_edge_s": "stalled_edge_timeout",
+           "idle_stream_s": "idle_stream_timeout", "idle_wait_s": "idle_wait_ms", "max_wait_s": "max_wait_ms"}
 # A slot keeps the widest pass (32 tokens) free past a session's end, and the start's
 # warm-up passes (engine.warm_up) need 38 positions more; a shorter slot would not hold a
 # chat prompt anyway. (A constant here, tested against warm_up: this module imports no torch.)
@@ -29,27 +31,58 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
-    """Raise ValueError (or OSError, for files and ports) naming the first setting `serve`
-    cannot run with. Returns the devices' tokens (token -> device id) where a --tokens-file
-    is given: read here once, as a pipe can be read only once."""
-    # Written so that NaN, which every comparison fails, fails them too.
-    for name in AT_LEAST_ONE:
-        if not getattr(args, name) >= 1:
-            raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(args, name)}")
+def _configs(args: argparse.Namespace, tls: TLSConfig | None,
+             tokens: dict[str, str] | None) -> tuple[SchedulerConfig, ServeConfig]:
+    """The configs serve's flags ask for; ValueError naming the flag of a field they refuse."""
+    try:
+        sched = SchedulerConfig(
+            max_verify_tokens=args.max_verify_tokens,
+            max_batch_sessions=args.max_batch_sessions,
+            max_batch_tokens=args.max_batch_tokens,
+            adaptive=not args.fixed_verify,
+            idle_policy=args.idle_policy,
+            idle_wait_s=args.idle_wait_ms / 1000,
+            max_wait_s=args.max_wait_ms / 1000,
+            stalled_edge_s=args.stalled_edge_timeout,
+            pace_tokens_per_s=args.pace_tokens_per_s,
+        )
+        cfg = ServeConfig(
+            host=args.host,
+            port=args.port,
+            max_sessions=args.max_sessions,
+            max_lookahead=args.max_lookahead,
+            max_context=args.max_context,
+            max_new_tokens=args.max_new_tokens_limit,
+            max_message_bytes=args.max_message_bytes,
+            grace_s=args.grace,
+            idle_stream_s=args.idle_stream_timeout,
+            max_idle_streams=args.max_idle_streams,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            tls=tls,
+            tokens=tokens,
+            listeners=args.listeners,
+            model_name=args.model_name,
+        )
+    except ConfigError as exc:
+        dest = FLAG_OF.get(exc.field, exc.field)
+        raise ValueError(f"{_flag(dest)} {exc.problem}, got {getattr(args, dest)}") from None
+    return sched, cfg
+
+
+def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeConfig]:
+    """The configs `serve` runs with; ValueError (or OSError, for files and ports) naming the
+    first setting it cannot run with. A --tokens-file is read here, once: a pipe can be read
+    only once."""
     for name in NOT_NEGATIVE:
         if not 0 <= getattr(args, name) < math.inf:
             raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
     for name in POSITIVE:
         if not 0 < getattr(args, name) < math.inf:
             raise ValueError(f"{_flag(name)} must be above 0, got {getattr(args, name)}")
-    if args.max_message_bytes > MAX_MESSAGE_BYTES:
-        raise ValueError(f"--max-message-bytes must be at most {MAX_MESSAGE_BYTES}, got {args.max_message_bytes}")
     static = resolve_engine(args.engine, args.device) == "static"
-    if static and args.static_max_len < MIN_STATIC_LEN:
+    if static and not args.static_max_len >= MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")
-    if args.max_context is not None and args.max_context < 1:
-        raise ValueError(f"--max-context must be at least 1 (or left out: the target's), got {args.max_context}")
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         raise ValueError("--tls-cert and --tls-key go together (and --tls-client-ca needs both)")
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),
@@ -58,14 +91,13 @@ def check_serve_args(args: argparse.Namespace) -> dict[str, str] | None:
             raise OSError(f"{flag} {path}: no such file")
         if path is not None and Path(path).is_dir():
             raise OSError(f"{flag} {path} is a directory")
+    tls = None
     if args.tls_cert:
         check_pem(args.tls_cert, args.tls_key, args.tls_client_ca, ca_flag="--tls-client-ca")
+        tls = TLSConfig(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_client_ca) if args.tls_client_ca else None)
     tokens = load_tokens(Path(args.tokens_file)) if args.tokens_file is not None else None  # errors name the line
-    check_port_free(args.host, args.port)
-    if args.metrics_host is not None and args.metrics_port is None:
-        raise ValueError("--metrics-host places the metrics: give their --metrics-port too")
-    if args.metrics_port is not None:
-        if args.metrics_port == args.port or not 1 <= args.metrics_port <= 65535:
-            raise ValueError(f"--metrics-port must be a port from 1 to 65535 other than --port, got {args.metrics_port}")
-        check_port_free(args.metrics_host or args.host, args.metrics_port)
-    return tokens
+    sched, cfg = _configs(args, tls, tokens)
+    check_port_free(cfg.host, cfg.port)
+    if cfg.metrics_port is not None:
+        check_port_free(cfg.metrics_host or cfg.host, cfg.metrics_port)
+    return sched, cfg
