@@ -24,6 +24,6 @@ def cache_from_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Dynami
 
 
 def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return [(k, v) for k, v in zip(cache.key_cache, cache.value_cache)]
+    """Each layer's (keys, values): per-layer caches since transformers 4.54, the only kind
+    from 4.56 on, which removed `key_cache`."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
