@@ -24,21 +24,24 @@ from certs import make_pki
 from conftest import free_port, launch_server
 from loadtest import run as loadtest_run
 from loadtest.capacity import capacity
+from loadtest.capacity import render as capacity_render
 from loadtest.endpoint import ServerEndpoint
 from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest.point import run_point
 from loadtest.prompts import load_prompts
-from loadtest.report import _window, write_report
+from loadtest.report import _window, limit_text, write_report
 from loadtest.sessions import (GenerationRecord, LoadRun, LoadSettings, LoadSpec, SessionLog, _Session,
                                committed_between, run_sessions)
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.summary import by_process, session_speeds, summarize
 from loadtest import sweep as sweep_module
-from loadtest.sweep import INTERRUPTED, SweepConfig, reference_continuations, repeated_point
+from loadtest.sweep import (INTERRUPTED, SweepConfig, reference_continuations, repeated_point, sessions_at_slo,
+                            slo_limit)
 from loadtest.targets import ARCHS, describe_target, write_config_target
 from loadtest.timeline import Acceptance
 from loadtest.workers import ClientWorkers
 from prompt_set import benchmark_prompts
+from specsplit.edge.client import StreamEnded, StreamStalled
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.server import cli as server_cli
 
@@ -106,6 +109,9 @@ def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_war
     counted = replace(spec, settings=LoadSettings(max_new_tokens=4, duration_s=None, generations=1, ramp_s=0.8))
     late = asyncio.run(run_sessions(counted, [(6, "none")], total=8))
     assert late.finished - late.started >= 0.6
+    # Counted generations count whole: a window opening after the ramp left this one's tokens out.
+    record = late.sessions[0].records[0]
+    assert record.tokens_in_window == record.tokens == 4
 
 
 def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, running, references) -> None:
@@ -141,8 +147,10 @@ def test_committed_between_counts_what_came_inside_the_window(started, times, op
 
 
 def test_ramp_and_warm_up_are_checked() -> None:
-    with pytest.raises(ValueError, match="negative"):
+    with pytest.raises(ValueError, match="must be 0 or more"):
         LoadSettings(ramp_s=-1)
+    with pytest.raises(ValueError, match="must be 0 or more"):
+        LoadSettings(warmup_s=float("nan"))  # every comparison with NaN fails
     with pytest.raises(ValueError, match="warm-up needs a duration"):
         LoadSettings(duration_s=None, generations=2, warmup_s=1)
     LoadSettings(duration_s=None, generations=2, ramp_s=1)  # a ramp serves counted generations too
@@ -451,6 +459,82 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
     assert "finished no generation" in lost_report["stopped"] and capacity(lost_report)["stopped"]
     assert "**Stopped early:** sim with 1 session(s) finished no generation" in (tmp_path / "out" / "lost.md").read_text()
     other.shutdown()
+
+
+def test_a_sweep_that_fails_reports_the_points_that_finished(running, monkeypatch) -> None:
+    """A load generator that fails partway (a worker process gone, say) lost every point
+    finished before, hours of them on a GPU sweep."""
+    opts, r = running
+    real, calls = sweep_module.run_point, []
+
+    def failing_second(*args: object) -> dict:
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("load generator worker 3 exited")
+        return real(*args)
+    monkeypatch.setattr(sweep_module, "run_point", failing_second)
+    cfg = SweepConfig(modes=("none", "sim"), sessions=(1, 2), slo=0.0)
+    report = sweep_and_report(r, opts, cfg, LoadSettings(max_new_tokens=4, duration_s=None, generations=1),
+                              log=lambda _: None)
+    assert "none with 2 session(s) failed (RuntimeError: load generator worker 3 exited)" in report["stopped"]
+    assert [p["sessions"] for p in report["results"]["none"]] == [1]
+
+
+def test_a_generation_failure_is_counted_by_its_status_and_a_load_generator_fault_raised(monkeypatch) -> None:
+    from loadtest import sessions as sessions_module
+
+    spec = LoadSpec(ServerEndpoint("localhost:1"), ((1, 2),), ((3,),), "", 10,
+                    LoadSettings(duration_s=None, generations=1))
+    for failure, counted in ((StreamStalled("no message for 60 s"), {"UNAVAILABLE": 1}),
+                             (StreamEnded("ended before Done"), {"StreamEnded": 1})):
+        async def fail(*args: object, failure: Exception = failure, **kwargs: object) -> None:
+            raise failure
+        monkeypatch.setattr(sessions_module, "generate", fail)
+        session = _Session(spec, 0, "none")
+        asyncio.run(session.run(time.monotonic(), time.monotonic(), None))
+        assert dict(session.log.errors) == counted
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise IndexError("the load generator's own bug")
+    monkeypatch.setattr(sessions_module, "generate", broken)
+    with pytest.raises(IndexError):
+        asyncio.run(_Session(spec, 0, "none").run(time.monotonic(), time.monotonic(), None))
+
+
+def _points(*met: bool, first: int = 4) -> list[dict]:
+    return [{"sessions": first * 2**i, "meets_slo": m} for i, m in enumerate(met)]
+
+
+def test_a_limit_the_sweep_did_not_find_is_said_so_and_the_ratio_is_a_bound_or_unknown() -> None:
+    assert (slo_limit(_points(True, False)), limit_text(_points(True, False))) == ("found", "4")
+    assert (slo_limit(_points(False)), limit_text(_points(False))) == ("below", "fewer than 4 (the fewest tried missed it)")
+    assert (slo_limit(_points(True, True)), limit_text(_points(True, True))) == ("beyond", "8 or more (the most tried)")
+
+    def report(none: list[dict], sim: list[dict]) -> dict:
+        return {"summary": {"baseline_sessions_at_slo": sessions_at_slo(none), "split_sessions_at_slo": sessions_at_slo(sim),
+                            "errors": {"total": 0, "by_code": {}}, "mismatched_outputs": 0},
+                "machine": {"cpu": "c"}, "models": {"target": {"name": "t"}}, "alpha": 0.85, "slo": 20.0,
+                "results": {"none": none, "sim": sim}, "rerun": "r"}
+
+    found = capacity(report(_points(True, False), _points(True, True, False)))
+    assert (found["ratio"], found["ratio_kind"]) == (2.0, "exact")
+    beyond = capacity(report(_points(True, False), _points(True, True, True)))
+    assert (beyond["ratio"], beyond["ratio_kind"], beyond["split_limit"]) == (4.0, "at least", "beyond")
+    assert "| ratio | at least 4.00x |" in capacity_render(beyond, "x.json")
+    assert capacity(report(_points(True, True), _points(True, False)))["ratio_kind"] == "at most"
+    both_beyond = capacity(report(_points(True, True), _points(True, True)))
+    assert both_beyond["ratio"] is None and "n/a (a limit the sweep did not find)" in capacity_render(both_beyond, "x")
+    below = capacity(report(_points(False), _points(True, False)))
+    assert below["ratio"] is None and "fewer than 4" in capacity_render(below, "x")
+
+
+@pytest.mark.parametrize("args", [["--duration", "nan"], ["--duration", "inf"], ["--slo", "nan"], ["--ramp", "nan"],
+                                  ["--warmup", "inf"], ["--draft-delay-ms", "nan"], ["--alpha", "1.5"],
+                                  ["--max-new-tokens", "0"]])
+def test_a_number_no_run_could_use_is_refused_while_parsing(args, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        loadtest_run.build_parser().parse_args(args)
+    assert exited.value.code == 2 and args[0] in capsys.readouterr().err
 
 
 def test_an_interrupted_sweep_reports_the_points_that_finished(running, monkeypatch) -> None:

@@ -3,7 +3,9 @@
 Reads a load-test report (bench/results/NAME.json from run.py) and writes OUT.json with
 `device`, `target_config`, `alpha`, `slo_tokens_per_s`, `baseline_sessions_at_slo`,
 `split_sessions_at_slo`, `ratio` and `errors`, plus OUT.md, a note that says how the run is
-repeated (the project keeps the GPU's at bench/results/capacity-gpu).
+repeated (the project keeps the GPU's at bench/results/capacity-gpu). Where a sweep did not
+find a mode's limit (its first point missed the SLO, or its last met it), `*_limit` says so
+and the ratio is a bound, or unknown.
 
     python bench/loadtest/capacity.py bench/results/capacity-gpu-run.json --out bench/results/capacity-gpu
 """
@@ -14,11 +16,24 @@ import json
 import sys
 from pathlib import Path
 
+if not __package__:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # as run.py: import from bench/
+
+from loadtest.report import limit_text  # noqa: E402
+from loadtest.sweep import slo_limit  # noqa: E402
+
+# What the ratio split / baseline is, by where each limit lies (sweep.slo_limit): exact where
+# both were found; a bound where one lies beyond the sweep; unknown otherwise.
+RATIO_KIND = {("found", "found"): "exact", ("found", "beyond"): "at least", ("beyond", "found"): "at most"}
+
 
 def capacity(report: dict) -> dict:
     s, m = report["summary"], report["machine"]
     target = report["models"]["target"]
     base, split = s["baseline_sessions_at_slo"], s["split_sessions_at_slo"]
+    results = report["results"]
+    limits = {mode: slo_limit(results[mode]) if mode in results else None for mode in ("none", "sim")}
+    ratio_kind = RATIO_KIND.get((limits["none"], limits["sim"]))
     return {
         # A server the load test did not start: its device is unknown here (the CPU is the load generator's).
         "device": None if m.get("device") == "remote" else m.get("gpu") or m["cpu"],
@@ -29,7 +44,13 @@ def capacity(report: dict) -> dict:
         "slo_tokens_per_s": report["slo"],
         "baseline_sessions_at_slo": base,
         "split_sessions_at_slo": split,
-        "ratio": split / base if base and split is not None else None,  # None: a mode not swept, or none held
+        # "found", "below" (under the fewest tried) or "beyond" (the most tried, or more); None: not swept
+        "baseline_limit": limits["none"],
+        "split_limit": limits["sim"],
+        "ratio": split / base if ratio_kind else None,  # None: a mode not swept, or a limit not found
+        "ratio_kind": ratio_kind,  # exact, "at least", "at most"
+        "baseline_text": limit_text(results["none"], bool(report.get("stopped"))) if "none" in results else None,
+        "split_text": limit_text(results["sim"], bool(report.get("stopped"))) if "sim" in results else None,
         "errors": s["errors"],
         "mismatched_outputs": s["mismatched_outputs"],
         "server_args": report.get("server_args"),
@@ -39,19 +60,19 @@ def capacity(report: dict) -> dict:
     }
 
 
-def _count(sessions: int | None) -> str:
-    return "not swept" if sessions is None else str(sessions)
-
-
 def render(c: dict, source: str, out: str = "bench/results/capacity-gpu") -> str:
-    ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
+    if c["ratio"] is None:
+        ratio = "n/a (a limit the sweep did not find)" if c["baseline_text"] and c["split_text"] else "n/a"
+    else:
+        ratio = ("" if c["ratio_kind"] == "exact" else f"{c['ratio_kind']} ") + f"{c['ratio']:.2f}x"
     return "\n".join([
         f"# Capacity at {c['slo_tokens_per_s']:g} tokens/s per session "
         f"({c['device'] or 'a server the load test did not start'})", "",
         "| | sessions at the SLO |", "| --- | --- |",
-        f"| server only (baseline) | {_count(c['baseline_sessions_at_slo'])} |",
-        f"| split, simulated edges at alpha {c['alpha']:g} | {_count(c['split_sessions_at_slo'])} |",
+        f"| server only (baseline) | {c['baseline_text'] or 'not swept'} |",
+        f"| split, simulated edges at alpha {c['alpha']:g} | {c['split_text'] or 'not swept'} |",
         f"| ratio | {ratio} |", "",
+        *([f"**Stopped early:** {c['stopped']}.", ""] if c["stopped"] else []),
         f"Errors: {c['errors']['total']}; outputs differing from the target's greedy continuation: "
         f"{c['mismatched_outputs']}. Target: {c['target']}. Full per-point tables: `{source}` "
         "(and its .md).", "",

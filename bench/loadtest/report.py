@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loadtest.prompts import PROMPT_SETS
 from loadtest.sessions import LoadSettings
-from loadtest.sweep import SweepConfig, sessions_at_slo
+from loadtest.sweep import SweepConfig, sessions_at_slo, slo_limit
 
 MODE_TITLES = {
     "none": "server only (mode none)",
@@ -152,8 +152,13 @@ def render_markdown(report: dict, name: str) -> str:
     per_point = (f"for {s['duration_s']:g} s (generations started until then run to their end)"
                  if s["duration_s"] is not None else f"{s['generations']} generations each")
     ramp, warmup = s.get("ramp_s", 0.0), s.get("warmup_s", 0.0)  # reports from before: all at once
-    arrival = (f"sessions start spread evenly over {ramp:g} s and are measured from {warmup:g} s after the "
-               "last has started" if ramp or warmup else "all sessions start at once")
+    if not (ramp or warmup):
+        arrival = "all sessions start at once"
+    elif s["duration_s"] is None:
+        arrival = f"sessions start spread evenly over {ramp:g} s, and every generation counts"
+    else:
+        arrival = (f"sessions start spread evenly over {ramp:g} s and are measured from {warmup:g} s after the "
+                   "last has started")
     # Reports from before the choice: a new call for every generation.
     calls = ("a new call for every generation" if s.get("call_per_generation", True)
              else "its generations one after another on one stream")
@@ -173,15 +178,18 @@ def render_markdown(report: dict, name: str) -> str:
         f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
         f"draft delay {s['draft_delay_ms']:g} ms per token, a branch from the right token beside "
         f"{s.get('branch_coverage', 0.0):.0%} of the first wrong drafts",
-        f"- SLO: every session at least {report['slo']:g} tokens/s (the tokens it committed in the measured window, "
-        "until the point's time was up, over the time from its first generation, or the window's opening if later, "
-        "until then; the generations still running then "
-        "finish with ever fewer sessions and are not counted past it) and no errors; a mode's sweep stops at its "
-        "first point that misses it"
+        f"- SLO: every session at least {report['slo']:g} tokens/s "
+        + ("(the tokens it committed in the measured window, "
+           "until the point's time was up, over the time from its first generation, or the window's opening if later, "
+           "until then; the generations still running then "
+           "finish with ever fewer sessions and are not counted past it)" if s["duration_s"] is not None
+           else "(the tokens it committed over the time it spent generating them)")
+        + " and no errors; a mode's sweep stops at its first point that misses it"
         + (f"; each point ran {s['repeats']} times and meets it only if every run does, its "
            "figures those of the run with the slowest session" if s.get("repeats", 1) > 1 else ""),
-        "- session tok/s: min and median over sessions; server tok/s: tokens committed in the measured window / "
-        "its length",
+        "- session tok/s: min and median over sessions; server tok/s: "
+        + ("tokens committed in the measured window / its length" if s["duration_s"] is not None
+           else "tokens committed / the point's time, from the first start to the last Done"),
         "- TTFT: from a generation's start at the edge (its call) to its first committed token; the wait counts "
         "in the session's tok/s; in brackets, p50 / p90 of its part until the server's Opened came back (the call "
         "accepted and its Open read; the rest is the first verification)",
@@ -193,7 +201,10 @@ def render_markdown(report: dict, name: str) -> str:
         "p99 lies under; every call, message and verdict waits about that long in the loop",
         "- batch: mean sessions per target pass; pass: mean target pass time; KV: peak of the server's KV-cache gauge "
         "(sampled every 0.5 s); client CPU: load generator CPU in cores (saturated: it, not the server, may be the "
-        "limit)" + ("; these cover the whole point, ramp and warm-up included" if ramp or warmup else ""),
+        "limit); these cover the whole point" + "".join(f", {part}" for part in (
+            "ramp and warm-up included" if ramp or warmup else "",
+            "with the generations that run on past its time, among ever fewer sessions" if s["duration_s"] is not None
+            else "") if part),
         "",
         "## Summary",
         "",
@@ -203,11 +214,7 @@ def render_markdown(report: dict, name: str) -> str:
     for mode, key in (("none", "baseline_sessions_at_slo"), ("sim", "split_sessions_at_slo"),
                       ("onnx", "onnx_sessions_at_slo")):
         if summ[key] is not None:
-            # A mode stops at its first miss: a last point that met the SLO was the largest tried.
-            more = "" if not report["results"][mode][-1]["meets_slo"] else (
-                " (the most tried before the sweep stopped)" if report.get("stopped")
-                else " (the most tried: the limit lies beyond)")
-            lines.append(f"| {MODE_TITLES[mode]} | {summ[key]}{more} |")
+            lines.append(f"| {MODE_TITLES[mode]} | {limit_text(report['results'][mode], bool(report.get('stopped')))} |")
     by_code = ", ".join(f"{k}: {v}" for k, v in summ["errors"]["by_code"].items()) or "none"
     lines += ["", f"Errors: {summ['errors']['total']} ({by_code}). Outputs differing from the target's greedy "
               f"continuation: {summ['mismatched_outputs']}.", ""]
@@ -228,6 +235,17 @@ def render_markdown(report: dict, name: str) -> str:
         ]
     lines.append(f"Rerun: `{report['rerun']}`")
     return "\n".join(lines) + "\n"
+
+
+def limit_text(points: list[dict], stopped: bool = False) -> str:
+    """A mode's sessions at the SLO, as far as its points tell (sweep.slo_limit)."""
+    limit = slo_limit(points)
+    if limit == "below":
+        return f"fewer than {points[0]['sessions']} (the fewest tried missed it)"
+    count = sessions_at_slo(points)
+    if limit == "beyond":
+        return f"{count} or more (the most tried" + (" before the sweep stopped)" if stopped else ")")
+    return str(count)
 
 
 def write_report(report: dict, out_dir: Path, name: str) -> tuple[Path, Path]:

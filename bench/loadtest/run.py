@@ -33,8 +33,8 @@ import argparse  # noqa: E402
 import os  # noqa: E402
 from urllib.parse import urlparse  # noqa: E402
 
-from cli_types import (START_CORES, at_least, cores, draft_export, host_port, int_list, model_dir,  # noqa: E402
-                       out_dir, report_name)
+from cli_types import (START_CORES, at_least, cores, draft_export, fraction, host_port, int_list,  # noqa: E402
+                       model_dir, out_dir, report_name)
 from loadtest.endpoint import ServerEndpoint  # noqa: E402
 from loadtest.harness import RunOptions, SetupError, execute  # noqa: E402
 from loadtest.prompts import PROMPT_SETS  # noqa: E402
@@ -96,23 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="session counts, each once, swept in ascending order (default 1,2,4,8,16,32)")
     p.add_argument("--sessions-for", action="append", default=[], metavar="MODE=COUNTS",
                    help="session counts for one mode instead of --sessions, repeatable (e.g. sim=512,576,640)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=at_least(1), default=1,
                    help="runs of each point; a point meets the SLO only if every run does, and reports the run "
                    "with the slowest session (default 1)")
-    p.add_argument("--slo", type=float, default=20.0, help="tokens/s every session must get (default 20)")
-    p.add_argument("--alpha", type=float, default=0.7, help="sim edges: per-position acceptance rate (default 0.7)")
-    p.add_argument("--draft-delay-ms", type=float, default=0.0, help="sim edges: drafting time per token (default 0)")
-    p.add_argument("--branch-coverage", type=float, default=0.0,
+    p.add_argument("--slo", type=at_least(0, float), default=20.0, help="tokens/s every session must get (default 20)")
+    p.add_argument("--alpha", type=fraction, default=0.7, help="sim edges: per-position acceptance rate (default 0.7)")
+    p.add_argument("--draft-delay-ms", type=at_least(0, float), default=0.0, help="sim edges: drafting time per token (default 0)")
+    p.add_argument("--branch-coverage", type=fraction, default=0.0,
                    help="sim edges: chance that a wrong draft has a branch beside it from the right token, as a "
                    "real edge drafts one where its runner-up turns out right (default 0: no branches; the default "
                    "pair at RTT 50 ms: 0.39)")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--duration", type=float, default=10.0, help="seconds per point (default 10)")
-    length.add_argument("--generations", type=int, help="instead of --duration: generations per session per point")
-    p.add_argument("--ramp", type=float, default=0.0,
+    length.add_argument("--duration", type=at_least(0, float, above=True), default=10.0, help="seconds per point (default 10)")
+    length.add_argument("--generations", type=at_least(1), help="instead of --duration: generations per session per point")
+    p.add_argument("--ramp", type=at_least(0, float), default=0.0,
                    help="seconds over which a point's sessions start, spread evenly, as devices arriving one after "
-                   "another (default 0: all at once); the measured --duration begins when the last has started")
-    p.add_argument("--warmup", type=float, default=0.0,
+                   "another (default 0: all at once); the measured --duration begins when the last has started "
+                   "(with --generations, everything counts)")
+    p.add_argument("--warmup", type=at_least(0, float), default=0.0,
                    help="seconds after the ramp before the measured window opens, so that the start-up's prefills "
                    "and waits are left out; needs --duration (default 0)")
     p.add_argument("--call-per-generation", action="store_true",
@@ -121,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", choices=list(PROMPT_SETS), default="stubs",
                    help="stubs: six short plain-text openings (default); benchmark: the benchmark's 12 prompts "
                    "under the target's chat template, for a trained --target")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="per generation (default 64)")
-    p.add_argument("--window", type=int, default=16,
+    p.add_argument("--max-new-tokens", type=at_least(1), default=64, help="per generation (default 64)")
+    p.add_argument("--window", type=at_least(1), default=16,
                    help="async edges' lookahead: the most drafts past the committed point; the edge adapts it "
                    "to the acceptance it sees, as real edges do by default (default 16)")
     p.add_argument("--fixed-window", action="store_true", help="async edges always draft --window ahead")

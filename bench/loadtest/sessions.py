@@ -8,6 +8,7 @@ a simulated drafter, see simdraft.py), `onnx` (async with the real ONNX Runtime 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import Counter
@@ -19,9 +20,10 @@ import grpc
 from loadtest.endpoint import ServerEndpoint
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_ms, verdict_latency_ms
-from specsplit.edge.client import EdgeConfig, GenerationResult, generate
+from specsplit.edge.client import EdgeConfig, GenerationResult, StreamStalled, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
+from specsplit.protocol.errors import ProtocolError
 
 KINDS = {"none": "none", "sim": "async", "onnx": "async"}  # session kind -> edge client mode
 ERROR_PAUSE_S = 0.05  # after a failed generation: a refused Open must not become a busy loop
@@ -49,9 +51,10 @@ class LoadSettings:
     call_per_generation: bool = False
 
     def __post_init__(self) -> None:
+        """Written so that NaN and infinity, which a command line may give, fail too."""
         if (self.duration_s is None) == (self.generations is None):
             raise ValueError("give either a duration or a number of generations per session")
-        if self.duration_s is not None and self.duration_s <= 0:
+        if self.duration_s is not None and not 0 < self.duration_s < math.inf:
             raise ValueError(f"the duration must be above 0 s, got {self.duration_s}")
         if self.generations is not None and self.generations < 1:
             raise ValueError(f"generations per session must be at least 1, got {self.generations}")
@@ -61,10 +64,10 @@ class LoadSettings:
         if not (0 <= self.alpha <= 1 and 0 <= self.branch_coverage <= 1):
             raise ValueError(f"alpha and the branch coverage are chances, from 0 to 1: got {self.alpha} and "
                              f"{self.branch_coverage}")
-        if self.draft_delay_ms < 0:
-            raise ValueError(f"the draft delay must not be negative, got {self.draft_delay_ms}")
-        if self.ramp_s < 0 or self.warmup_s < 0:
-            raise ValueError(f"ramp and warm-up must not be negative, got {self.ramp_s} and {self.warmup_s}")
+        if not 0 <= self.draft_delay_ms < math.inf:
+            raise ValueError(f"the draft delay must be 0 or more, got {self.draft_delay_ms}")
+        if not (0 <= self.ramp_s < math.inf and 0 <= self.warmup_s < math.inf):
+            raise ValueError(f"ramp and warm-up must be 0 or more, got {self.ramp_s} and {self.warmup_s}")
         if self.warmup_s and self.duration_s is None:
             raise ValueError("a warm-up needs a duration: with a number of generations nothing is left out")
 
@@ -214,12 +217,11 @@ class _Session:
                     result = await generate(stream or channel, s.prompts[prompt], self.cfg,
                                             drafter=self._drafter(prompt), fingerprint=s.fingerprint,
                                             connect=s.server.connect_options())
-                except grpc.aio.AioRpcError as exc:
-                    self.log.errors[exc.code().name] += 1
-                    await asyncio.sleep(ERROR_PAUSE_S)
-                    continue
-                except Exception as exc:  # counted, not raised: one failing session must not end the point
-                    self.log.errors[type(exc).__name__] += 1
+                # Counted, not raised: one failing session must not end the point. Anything else
+                # is the load generator's own fault, and ends the run.
+                except (grpc.aio.AioRpcError, StreamStalled, ConnectionError, ProtocolError) as exc:
+                    # By status code where there is one (a stalled stream is UNAVAILABLE to a caller).
+                    self.log.errors[exc.code().name if hasattr(exc, "code") else type(exc).__name__] += 1
                     await asyncio.sleep(ERROR_PAUSE_S)
                     continue
                 self.log.records.append(_record(result, s.references[prompt], started, opens, deadline))
@@ -239,8 +241,11 @@ async def run_built(spec: LoadSpec, edges: list[_Session], total: int, started: 
     of the way through the ramp."""
     load = spec.settings
     cpu0 = time.process_time()
-    opens = started + load.ramp_s + load.warmup_s
-    deadline = None if load.duration_s is None else opens + load.duration_s
+    if load.duration_s is None:  # every generation counts, whole, from the first start on
+        opens, deadline = started, None
+    else:
+        opens = started + load.ramp_s + load.warmup_s
+        deadline = opens + load.duration_s
     await asyncio.gather(*(e.run(started + load.ramp_s * e.log.index / total, opens, deadline) for e in edges))
     return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,6 +110,16 @@ def sessions_at_slo(points: list[dict]) -> int:
     return max((p["sessions"] for p in points if p["meets_slo"]), default=0)
 
 
+def slo_limit(points: list[dict]) -> str:
+    """Where a mode's limit lies against the points swept (a mode stops at its first miss):
+    "found" (a point missed the SLO, and the one before met it), "below" (its first point
+    missed: the limit is under the fewest sessions tried, not 0), "beyond" (its last point
+    met it: the limit is that many sessions or more)."""
+    if points and points[-1]["meets_slo"]:
+        return "beyond"
+    return "found" if any(p["meets_slo"] for p in points) else "below"
+
+
 def _line(mode: str, point: dict) -> str:
     s, server = point["session_tok_s"], point["server"]
     batch = server["batch_sessions_mean"]
@@ -153,4 +164,8 @@ def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: Clien
     except KeyboardInterrupt:
         log(INTERRUPTED)
         return results, INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 (the points that finished are still reported)
+        log(traceback.format_exc().rstrip())
+        return results, (f"{mode} with {n} session(s) failed ({type(exc).__name__}: {exc}): only the points "
+                         "before it are reported")
     return results, None
