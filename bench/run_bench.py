@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -28,11 +26,11 @@ from orchestrate import machine, pin, run_edge, running_server, server_and_edge_
 from prompt_set import benchmark_prompts
 from report import render_markdown, summarize
 from runlog import RunLog, SettingsMismatch
+from serve_args import serve_args_problem
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.server import models
-from specsplit.server.cli import build_parser
 from specsplit.server.loading import resolve_dtype
 
 HERE = Path(__file__).resolve().parent
@@ -83,22 +81,7 @@ def async_window(window: str) -> list[str]:
 
 # Set by the benchmark itself: given again in --server-args, they would break the run or make
 # its header describe another server.
-OWN_SERVE_OPTIONS = ("--target", "--port", "--host", "--dtype", "--threads", "-h", "--help")
-
-
-def _serve_args_problem(server_args: list[str]) -> str | None:
-    """What `specsplit-server serve` would refuse in `server_args`, said before anything is
-    measured (the server starts only after the anchors have run)."""
-    if own := [a for a in server_args if a.split("=", 1)[0] in OWN_SERVE_OPTIONS]:
-        return f"{own[0].split('=', 1)[0]} is the benchmark's to set"
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            build_parser().parse_args(["serve", "--target", "t", *server_args])
-    except SystemExit:
-        said = err.getvalue().strip().splitlines()
-        return said[-1].split("error: ", 1)[-1] if said else "serve refuses them"
-    return None
+OWN_SERVE_OPTIONS = ("--target", "--port", "--host", "--dtype", "--threads")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.prompts > len(all_prompts):
         p.error(f"--prompts: there are {len(all_prompts)} prompts, not {args.prompts}")
-    if problem := _serve_args_problem(args.server_args):
+    if problem := serve_args_problem(args.server_args, OWN_SERVE_OPTIONS):
         p.error(f"--server-args: {problem}")
     args.rtt_ms = list(dict.fromkeys(args.rtt_ms))  # an RTT given twice is one group of runs
     async_args = async_window(args.window)

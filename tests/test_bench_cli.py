@@ -64,7 +64,7 @@ def test_a_draft_export_and_a_model_directory_must_be_what_they_say(tmp_path) ->
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--name", "sub/x"], "without a directory"),  # the sweep used to run, then fail to write
-    (["--duration", "0"], "duration must be above 0"),  # it measured nothing and exited 0
+    (["--duration", "0"], "--duration: must be above 0"),  # it measured nothing and exited 0
     (["--generations", "0"], "at least 1"),
     (["--alpha", "1.5"], "from 0 to 1"),  # every generation failed, counted as errors
     (["--branch-coverage", "2"], "from 0 to 1"),
@@ -72,7 +72,7 @@ def test_a_draft_export_and_a_model_directory_must_be_what_they_say(tmp_path) ->
     (["--modes", ""], "at least one mode"),
     (["--modes", "sim,sim"], "given twice"),  # the second sweep overwrote the first
     (["--sessions", "2,2"], "given twice"),
-    (["--slo", "-1"], "SLO must not be negative"),
+    (["--slo", "-1"], "--slo: must be at least 0"),
     (["--client-procs", "0"], "at least 1"),  # one process ran; the report said 0
     (["--draft", "/nonexistent"], "not a specsplit draft export"),  # found only when the onnx sweep began
     (["--target", "/nonexistent"], "no config.json"),
@@ -116,8 +116,11 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     # Found only when the server started, after the anchors had run for minutes.
     (["--name", "x", "--server-args=--bogus-flag"], "--server-args: unrecognized arguments: --bogus-flag"),
     (["--name", "x", "--server-args=--max-wait-ms soon"], "--server-args: argument --max-wait-ms"),
-    (["--name", "x", "--server-args=--help"], "--help is the benchmark's to set"),  # a traceback: help went to stdout
+    (["--name", "x", "--server-args=--help"], "--help prints serve's help"),  # a traceback: help went to stdout
     (["--name", "x", "--server-args=--port 5"], "--port is the benchmark's to set"),
+    # Abbreviated, as serve's argparse takes them: the report would have said 1 thread, bf16.
+    (["--name", "x", "--server-args=--thread 4"], "--threads is the benchmark's to set"),
+    (["--name", "x", "--server-args=--dty fp32"], "--dtype is the benchmark's to set"),
 ])
 def test_the_benchmark_refuses_settings_before_it_prepares_models(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -143,3 +146,15 @@ def test_capacity_says_so_when_its_input_is_not_a_load_test_report(tmp_path, cap
         with pytest.raises(SystemExit) as exit_:
             capacity.main([str(path), "--out", str(tmp_path / "c")])
         assert exit_.value.code == 2 and "cannot read a load-test report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("server_arg", "message"), [
+    ("--bogus", "--server-arg: unrecognized arguments: --bogus"),  # found after the models were built
+    ("--dtype=fp32", "--dtype is the benchmark's to set"),  # the report said bf16
+    ("--thread=4", "--threads is the benchmark's to set"),  # abbreviated: the report said 1 torch thread
+    ("--device=cuda", "--device is the benchmark's to set"),
+])
+def test_the_load_test_refuses_server_args_before_it_builds_models(server_arg, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        loadtest_run.main([f"--server-arg={server_arg}"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -32,7 +32,8 @@ def capacity(report: dict) -> dict:
     target = report["models"]["target"]
     base, split = s["baseline_sessions_at_slo"], s["split_sessions_at_slo"]
     results = report["results"]
-    limits = {mode: slo_limit(results[mode]) if mode in results else None for mode in ("none", "sim")}
+    swept = {mode: count is not None and mode in results for mode, count in (("none", base), ("sim", split))}
+    limits = {mode: slo_limit(results[mode]) if swept[mode] else None for mode in swept}
     ratio_kind = RATIO_KIND.get((limits["none"], limits["sim"]))
     return {
         # A server the load test did not start: its device is unknown here (the CPU is the load generator's).
@@ -49,8 +50,8 @@ def capacity(report: dict) -> dict:
         "split_limit": limits["sim"],
         "ratio": split / base if ratio_kind else None,  # None: a mode not swept, or a limit not found
         "ratio_kind": ratio_kind,  # exact, "at least", "at most"
-        "baseline_text": limit_text(results["none"], bool(report.get("stopped"))) if "none" in results else None,
-        "split_text": limit_text(results["sim"], bool(report.get("stopped"))) if "sim" in results else None,
+        "baseline_text": limit_text(results["none"], bool(report.get("stopped"))) if swept["none"] else None,
+        "split_text": limit_text(results["sim"], bool(report.get("stopped"))) if swept["sim"] else None,
         "errors": s["errors"],
         "mismatched_outputs": s["mismatched_outputs"],
         "server_args": report.get("server_args"),

@@ -53,6 +53,10 @@ PATH_OPTIONS = {"--target": "TARGET_DIR", "--draft": "DRAFT_DIR", "--out-dir": "
 # Options for the server the load test starts, meaningless with --server; with their defaults.
 STARTED_SERVER_OPTIONS = {"target": None, "target_config": None, "device": None, "dtype": None, "server_arg": [],
                           "server_cores": None, "server_threads": None, "server_log": None}
+# serve's options the load test sets and its report describes from its own (--dtype, --device,
+# --server-threads, the target): given again in --server-arg, the report would describe another server.
+OWN_SERVE_OPTIONS = ("--target", "--port", "--host", "--dtype", "--threads", "--device", "--metrics-port",
+                     "--load-format")
 # Options for a server given with --server.
 GIVEN_SERVER_OPTIONS = ("tls_ca", "tls_cert", "tls_key", "metrics_url")
 
@@ -212,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # no modes or an unknown one, a count twice, alpha above 1, ...
         parser.error(str(exc))
     server = check_server_options(parser, args)
+    if args.server_arg:  # serve's parser only where it is installed: a load generator for --server needs none
+        from serve_args import serve_args_problem
+
+        if problem := serve_args_problem(args.server_arg, OWN_SERVE_OPTIONS):
+            parser.error(f"--server-arg: {problem}")
     server_cores, client_cores = split_cores(args.server_cores, args.client_cores, started=server is None)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     opts = RunOptions(
