@@ -69,9 +69,10 @@ def summarize(runs: list[dict]) -> list[dict]:
             "ttft_ms": _mean(r.get("ttft_s", 0) * 1000 for r in g) if mode not in ("draft", "hf-assisted") else None,
             "itl_p50_ms": _mean(r.get("itl_p50_ms") for r in g),
             "itl_p99_ms": _mean(r.get("itl_p99_ms") for r in g),
-            "acceptance_rate": _mean(r.get("acceptance_rate") for r in g),
-            "acceptance_per_position": _per_position(g),
-            "mean_accepted": _mean(r.get("mean_accepted") for r in g),
+            # `none` drafts nothing: no acceptance to speak of, rather than a measured 0.
+            "acceptance_rate": None if mode == "none" else _mean(r.get("acceptance_rate") for r in g),
+            "acceptance_per_position": None if mode == "none" else _per_position(g),
+            "mean_accepted": None if mode == "none" else _mean(r.get("mean_accepted") for r in g),
             "drafts_wasted": sum(r.get("drafts_wasted", 0) for r in g),
             "rejections": sum(r.get("rejections", 0) for r in g),
             "branches_taken": sum(r.get("branches_taken", 0) for r in g),
@@ -91,6 +92,10 @@ def _fmt(x, spec: str = ".2f") -> str:  # type: ignore[no-untyped-def]
     if isinstance(x, bool):
         return "yes" if x else "NO"
     return format(x, spec)
+
+
+def _times(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}x"
 
 
 def timeline_chart(run: dict, delay_s: float, width_s: float = 12.0, step_s: float = 0.1) -> tuple[str, dict]:
@@ -148,8 +153,9 @@ def render_markdown(result: dict) -> str:
         "the gap between consecutive committed tokens (0 within one verdict). Per position: accepted drafts "
         "over accepted drafts and rejections; wasted: drafted tokens thrown away by rollbacks; verifs: "
         "verdicts; server idle: the share of the generation's time the target did not work for it; B up/down: "
-        "bytes on the wire per generated token; identical: the output equals `none`'s. – where a figure does "
-        "not apply (the draft alone and HF assisted generation have no server and no verdicts).",
+        "bytes of the gRPC messages per generated token (protobuf and gRPC's 5-byte prefix; HTTP/2 and TCP "
+        "framing come on top); identical: the output equals `none`'s. – where a figure does not apply (`none` "
+        "drafts nothing; the draft alone and HF assisted generation have no server and no verdicts).",
         "",
         "| RTT ms | mode | prompts | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | per position | accepted/verif | wasted | verifs "
         "| server idle | B up/tok | B down/tok | identical |",
@@ -160,7 +166,7 @@ def render_markdown(result: dict) -> str:
             r = {**r, **{k: None for k in ANCHOR_BLANKS}}
         lines.append(
             f"| {_fmt(r['rtt_ms'], 'g') if r['rtt_ms'] is not None else 'n/a'} | {r['mode']} | {r['prompts']} | {_fmt(r['tokens_per_s'])} "
-            f"| {_fmt(r['speedup_vs_none'])}{'x' if r['speedup_vs_none'] is not None else ''} | {_fmt(r['ttft_ms'], '.0f')} "
+            f"| {_times(r['speedup_vs_none'])} | {_fmt(r['ttft_ms'], '.0f')} "
             f"| {_fmt(r['itl_p50_ms'], '.0f')}/{_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['acceptance_rate'], '.0%')} "
             f"| {_fmt(r.get('acceptance_per_position'), '.0%')} "
             f"| {_fmt(r['mean_accepted'])} | {_fmt(r['drafts_wasted'], 'd')} | {_fmt(r['verifications'], 'd')} "
@@ -177,15 +183,16 @@ def render_markdown(result: dict) -> str:
                 "",
                 "## Goal at RTT 50 ms",
                 "",
-                f"- async vs none: {_fmt(by['async']['speedup_vs_none'])}x (goal 3.0x)",
+                f"- async vs none: {_times(by['async']['speedup_vs_none'])} (goal 3.0x)",
                 f"- async vs best sync ({best['mode']}): {by['async']['tokens_per_s'] / best['tokens_per_s']:.2f}x "
                 f"(goal 1.3x)",
-                f"- every output identical to none: {_fmt(all(r['identical'] is not False for r in goal))}",
+                # A row without a comparison (no `none` output for its prompts) is no evidence.
+                f"- every output identical to none: {_fmt(all(r['identical'] is True for r in goal))}",
             ]
             if "async-no-branches" in by:
                 plain = by["async-no-branches"]
                 lines.append(f"- async with the edge drafting no branches, side by side: "
-                             f"{_fmt(plain['speedup_vs_none'])}x none, "
+                             f"{_times(plain['speedup_vs_none'])} none, "
                              f"{plain['tokens_per_s'] / best['tokens_per_s']:.2f}x {best['mode']}")
             if any("branches_taken" in r for r in result["runs"]):  # runs from before branches lack it
                 # Not a part of the rejections: a pass that accepts every draft it verified still
@@ -204,7 +211,7 @@ def render_markdown(result: dict) -> str:
             f"Over the whole run ({pick['elapsed_s']:.1f} s): the edge drafted for {totals['drafting_s']:.1f} s "
             f"and drafted branches for {totals['branching_s']:.1f} s, the "
             f"target verified this session for {totals['verifying_s']:.1f} s; time to first token "
-            f"{pick['ttft_s'] * 1000:.0f} ms (the prompt's prefill).",
+            f"{pick['ttft_s'] * 1000:.0f} ms (the prompt's prefill and a round trip of the link).",
             "",
             "```",
             chart,

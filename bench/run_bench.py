@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem := serve_args_problem(args.server_args, OWN_SERVE_OPTIONS):
         p.error(f"--server-args: {problem}")
     args.rtt_ms = list(dict.fromkeys(args.rtt_ms))  # an RTT given twice is one group of runs
+    args.sync_k = list(dict.fromkeys(args.sync_k))  # and a k given twice one mode
     async_args = async_window(args.window)
 
     server_cores, edge_cores = server_and_edge_cores()

@@ -1,6 +1,9 @@
 """The benchmark's per-position acceptance: what a simulated edge's alpha stands for."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from report import summarize
 
 from specsplit.edge.stats import GenerationStats
@@ -34,3 +37,17 @@ def test_the_report_pools_per_position_acceptance_over_prompts() -> None:
     assert row["acceptance_per_position"] == 10 / 12  # pooled, not the mean of 0.9 and 0.5
     (older,) = summarize([_run("a", 9, 1), _run("b", 1, None)])
     assert older["acceptance_per_position"] is None  # a run from before edges counted rejections
+
+
+def test_none_drafts_nothing_and_a_row_without_a_comparison_is_no_evidence() -> None:
+    from report import render_markdown
+
+    none = {**_run("a", 0, 0), "mode": "none", "acceptance_rate": 0.0, "mean_accepted": 0.0}
+    runs = [none, {**_run("a", 3, 1), "mode": "sync-4"}, _run("b", 3, 1)]  # async's prompt b: no none run for it
+    rows = {r["mode"]: r for r in summarize(runs)}
+    assert rows["none"]["acceptance_rate"] is None and rows["none"]["mean_accepted"] is None
+    assert rows["sync-4"]["identical"] is True and rows["async"]["identical"] is None
+    committed = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "quick.json").read_text())
+    md = render_markdown({**committed, "runs": runs, "summary": list(rows.values())})
+    assert "| 50 | none | 1 | 1.00 | 1.00x | 0 | 0/0 | – | – | – |" in md  # its acceptance columns blank
+    assert "- every output identical to none: NO" in md
