@@ -34,6 +34,7 @@ from specsplit.server.listeners import bind_listeners
 RESULTS = Path(__file__).resolve().parent / "results"
 METHOD = "/specsplit.bench.Accept/Ping"
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+ERROR_PAUSE_S = 0.05  # after a failed call
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ async def _call_back_to_back(address: str, callers: int, duration_s: float) -> t
                     await ping(b"", timeout=30)
                 except grpc.aio.AioRpcError:
                     errors += 1
+                    await asyncio.sleep(ERROR_PAUSE_S)  # a server refusing at once must not become a busy loop
                     continue
                 latencies.append((time.monotonic() - t0) * 1000)
 
@@ -117,7 +119,8 @@ def measure(s: Settings, log=print) -> dict:  # type: ignore[no-untyped-def]
         p50, p90, p99 = np.percentile(latencies, [50, 90, 99]) if latencies else (None,) * 3
         rows.append({"listeners": n, "calls": len(latencies), "calls_per_s": len(latencies) / s.duration_s,
                      "latency_ms": {"p50": p50, "p90": p90, "p99": p99}, "errors": errors})
-        log(f"{n} listener(s): {rows[-1]['calls_per_s']:.0f} calls/s, p90 {p90:.1f} ms, errors {errors}")
+        log(f"{n} listener(s): {rows[-1]['calls_per_s']:.0f} calls/s, p90 "
+            + ("–" if p90 is None else f"{p90:.1f} ms") + f", errors {errors}")
     return {"machine": machine(), "settings": asdict(s), "rows": rows}
 
 

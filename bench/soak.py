@@ -20,12 +20,14 @@ import grpc
 import psutil
 
 from cli_types import at_least, out_dir, report_name
-from orchestrate import running_server, server_and_edge_cores
+from loadtest.rerun import rerun_command
+from orchestrate import machine, running_server, server_and_edge_cores
 from tiny_models import build_tiny_pair
 
 from specsplit.common.help_format import DefaultsHelpFormatter
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.failures import GENERATION_FAILURES, status_name
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 
@@ -58,8 +60,8 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
                                        fingerprint=tok.fingerprint, connect=ConnectOptions(retries=0))
                     done += 1
                     tokens += len(r.tokens)
-                except grpc.aio.AioRpcError as exc:
-                    errors[exc.code().name] += 1
+                except GENERATION_FAILURES as exc:  # what a soak is for: counted, not raised
+                    errors[status_name(exc)] += 1
                 n += 1
             if stream is not None:
                 stream.close()
@@ -103,16 +105,18 @@ def main() -> int:
                        "edges in one process (mixed "
                        "async/sync/none sessions, 16-63 new tokens each, restarted back to back; half the edges keep "
                        "their stream between generations, half start a call for each)"}
+    report["machine"] = machine()
+    report["rerun"] = rerun_command("bench/soak.py", sys.argv[1:], {"--out-dir": "OUT_DIR"})
     out = args.out_dir / f"{args.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     note = (
         f"# Soak: {args.sessions} concurrent sessions for {args.minutes:g} min\n\n"
-        f"- {report['setup']}\n- generations completed: {result['generations']}, tokens: {result['tokens']}\n"
+        f"- machine: {report['machine']['cpu']}, {report['machine']['cores']} cores\n- {report['setup']}\n- generations completed: {result['generations']}, tokens: {result['tokens']}\n"
         f"- errors by status: {result['errors'] or 'none'}\n"
         f"- server RSS {judged_from} {report['rss_after_warmup_mb']:.0f} MB, at the end "
         f"{report['rss_end_mb']:.0f} MB ({growth:+.1%}; margin {args.margin:.0%})\n- result: "
-        f"{'PASS' if passed else 'FAIL'}\n\nRerun: `make soak`.\n")
+        f"{'PASS' if passed else 'FAIL'}\n\nRerun: `{report['rerun']}`.\n")
     out.with_suffix(".md").write_text(note)
     print(note)
     return 0 if passed else 1

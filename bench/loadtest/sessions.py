@@ -15,15 +15,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from loadtest.endpoint import ServerEndpoint
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
 from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_ms, verdict_latency_ms
-from specsplit.edge.client import EdgeConfig, GenerationResult, StreamStalled, generate
+from specsplit.edge.client import EdgeConfig, GenerationResult, generate
 from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.failures import GENERATION_FAILURES, status_name
 from specsplit.edge.stream import GenerateStream
-from specsplit.protocol.errors import ProtocolError
 
 KINDS = {"none": "none", "sim": "async", "onnx": "async"}  # session kind -> edge client mode
 ERROR_PAUSE_S = 0.05  # after a failed generation: a refused Open must not become a busy loop
@@ -219,9 +217,8 @@ class _Session:
                                             connect=s.server.connect_options())
                 # Counted, not raised: one failing session must not end the point. Anything else
                 # is the load generator's own fault, and ends the run.
-                except (grpc.aio.AioRpcError, StreamStalled, ConnectionError, ProtocolError) as exc:
-                    # By status code where there is one (a stalled stream is UNAVAILABLE to a caller).
-                    self.log.errors[exc.code().name if hasattr(exc, "code") else type(exc).__name__] += 1
+                except GENERATION_FAILURES as exc:
+                    self.log.errors[status_name(exc)] += 1
                     await asyncio.sleep(ERROR_PAUSE_S)
                     continue
                 self.log.records.append(_record(result, s.references[prompt], started, opens, deadline))

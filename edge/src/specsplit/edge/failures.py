@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import grpc
 
+from specsplit.protocol.errors import ProtocolError
 
 class StreamEnded(ConnectionError):
     """The server ended the call before the session's Done."""
@@ -24,3 +25,15 @@ class StreamStalled(Exception):
     def details(self) -> str:
         return str(self)
 
+
+
+# What `generate` raises when the server or the link failed the generation (retries spent),
+# as against the caller's own failures (OnCommitFailed, settings it refused).
+GENERATION_FAILURES = (grpc.aio.AioRpcError, StreamStalled, ConnectionError, ProtocolError)
+
+
+def status_name(exc: BaseException) -> str:
+    """What to count a failed generation under: its gRPC status name where it has one (a stalled
+    stream is UNAVAILABLE to a caller), else its type's name."""
+    code = getattr(exc, "code", None)
+    return code().name if callable(code) else type(exc).__name__
