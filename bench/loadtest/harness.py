@@ -99,11 +99,12 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
         metrics_port = free_port()
         # The session and idle-stream limits are not under test: room for the largest point, with margin.
         room = str(2 * cfg.most())
+        server_log = opts.server_log or Path(tmp) / "server.log"
         server_args = ("--max-sessions", room, "--max-idle-streams", room, "--device", opts.device,
                        *models.server_args, *opts.server_args)
-        log(f"starting the server (cores {list(opts.server_cores) or 'any'}) ...")
+        log(f"starting the server (cores {list(opts.server_cores) or 'any'}): it loads the target, warms up and, "
+            f"on a GPU, captures its graphs, minutes for a large one; its log: {server_log} ...")
         serve_args = ["--metrics-port", str(metrics_port), *server_args]
-        server_log = opts.server_log or Path(tmp) / "server.log"
         setup = {
             "machine": machine_info(opts.device),
             "pinning": {"server_cores": list(opts.server_cores), "server_threads": opts.server_threads,
@@ -118,6 +119,7 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
                 with pinned(opts.client_cores):  # only now: the server's pinning is worked out from our cores
                     handle = ServerHandle(ServerEndpoint(address), proc.pid,
                                           f"http://127.0.0.1:{metrics_port}/metrics")
+                    log("serving; a warm-up generation ...")
                     with _serving(handle.endpoint, "the warm-up generation"):
                         opened = warm_up(handle.endpoint, prompts)
                     yield Running(handle, prompts, opened, models.draft_dir, setup)
@@ -186,8 +188,9 @@ def sweep_and_report(running: Running, opts: RunOptions, cfg: SweepConfig, setti
     workers = ClientWorkers(opts.client_procs, opts.client_cores) if opts.client_procs > 1 else None
     prompts, endpoint = running.prompts, running.server.endpoint
     try:
+        log(f"decoding the target's reference continuations of {len(prompts.ids)} prompts ...")
         with _serving(endpoint, "the reference decoding"):
-            references = reference_continuations(endpoint, prompts, settings.max_new_tokens)
+            references = reference_continuations(endpoint, prompts, settings.max_new_tokens, log)
         spec = LoadSpec(endpoint, prompts.ids, references, prompts.fingerprint, running.opened.vocab_size, settings,
                         str(running.draft_dir) if running.draft_dir else None)
         results, stopped = sweep(running.server, spec, cfg, workers, log)

@@ -60,12 +60,17 @@ class SweepConfig:
         return max(max(self.counts(m)) for m in self.modes)
 
 
-async def _server_alone(server: ServerEndpoint, prompts: PromptSet,
-                        max_new_tokens: int) -> tuple[GenerationResult, ...]:
+async def _server_alone(server: ServerEndpoint, prompts: PromptSet, max_new_tokens: int,
+                        log: Callable[[str], None] | None = None) -> tuple[GenerationResult, ...]:
     cfg = EdgeConfig(mode="none", max_new_tokens=max_new_tokens)
+    results = []
     async with server.channel() as channel:
-        return tuple([await generate(channel, ids, cfg, fingerprint=prompts.fingerprint,
-                                     connect=server.connect_options()) for ids in prompts.ids])
+        for i, ids in enumerate(prompts.ids, 1):
+            results.append(await generate(channel, ids, cfg, fingerprint=prompts.fingerprint,
+                                          connect=server.connect_options()))
+            if log is not None:  # on a slow target, minutes: say how far it is
+                log(f"  reference {i}/{len(prompts.ids)}: {len(results[-1].tokens)} tokens")
+    return tuple(results)
 
 
 def warm_up(server: ServerEndpoint, prompts: PromptSet) -> Opened:
@@ -77,11 +82,11 @@ def warm_up(server: ServerEndpoint, prompts: PromptSet) -> Opened:
     return opened
 
 
-def reference_continuations(server: ServerEndpoint, prompts: PromptSet,
-                            max_new_tokens: int) -> tuple[tuple[int, ...], ...]:
+def reference_continuations(server: ServerEndpoint, prompts: PromptSet, max_new_tokens: int,
+                            log: Callable[[str], None] | None = None) -> tuple[tuple[int, ...], ...]:
     """The target's greedy continuation of each prompt: decoded by the server alone, which
     the protocol makes token for token what any edge must get back."""
-    return tuple(tuple(r.tokens) for r in asyncio.run(_server_alone(server, prompts, max_new_tokens)))
+    return tuple(tuple(r.tokens) for r in asyncio.run(_server_alone(server, prompts, max_new_tokens, log)))
 
 
 def meets_slo(point: dict, slo: float) -> bool:
