@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import urllib.request
 
 import grpc
 import psutil
 import pytest
 
-from conftest import launch_server
+from conftest import free_port, launch_server
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.server.listeners import bind_listeners, check_port_free
 from specsplit.server.config import ServeConfig
+from specsplit.server.metrics import ServerMetrics
 from test_end_to_end import reference
 
 SESSIONS = 6
@@ -94,3 +96,27 @@ def test_ipv6_hosts_are_probed_as_grpc_writes_them() -> None:
         listener.listen()
         with pytest.raises(OSError, match=rf"\[::1\]:{port} is already in use"):
             check_port_free("[::1]", port)
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_host_is_served_bare_or_bracketed_with_its_metrics(host: str) -> None:
+    """The probe took both forms; the bind then gave gRPC `::1:PORT` (refused) and the metrics
+    server `[::1]` (no such name), after the model had loaded."""
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+
+    async def main() -> None:
+        servers, port = bind_listeners(1, host, 0, lambda server: None)
+        await servers[0].start()
+        try:
+            assert port > 0
+        finally:
+            await servers[0].stop(None)
+
+    asyncio.run(main())
+    metrics_port = free_port()
+    ServerMetrics().serve(metrics_port, host)
+    with urllib.request.urlopen(f"http://[::1]:{metrics_port}/metrics", timeout=5) as reply:
+        assert b"specsplit_" in reply.read()

@@ -48,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     import torch
 
     from specsplit.server.engine import TargetEngine, warm_up
+    from specsplit.server.listeners import BindError
     from specsplit.server.loading import load_model
     from specsplit.server.progress_log import ProgressLog
     from specsplit.server.service import serve
@@ -119,7 +120,11 @@ def _serve(args: argparse.Namespace) -> int:
     warm_up(engine)
     log.info("warmed up in %.1f s", time.monotonic() - t0)
     settle_heap()
-    asyncio.run(serve(engine, sched, cfg))
+    try:
+        asyncio.run(serve(engine, sched, cfg))
+    except BindError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -21,6 +21,11 @@ from specsplit.common.address import bracketed
 MAX_MESSAGE_BYTES = 2**31 - 1
 
 
+class BindError(OSError):
+    """A port the server could not bind once it had loaded its model (another process took it
+    since the check, say): its own line for the operator, not a traceback."""
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise OSError if something already listens on host:port, or no address of `host` can
     be bound there. Port 0 (any free one) is always free. Like gRPC, a host name whose
@@ -65,14 +70,14 @@ def bind_listeners(count: int, host: str, port: int, register: Callable[[grpc.ai
     for _ in range(count):
         server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)], interceptors=list(interceptors))
         register(server)
-        address = f"{host}:{port}"
+        address = f"{bracketed(host)}:{port}"  # gRPC wants an IPv6 address in brackets
         try:
             bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         except RuntimeError:  # newer gRPC raises where older returned 0
             bound = 0
         if bound == 0:
             shared = " beside the first listener (a platform without SO_REUSEPORT needs --listeners 1)" if servers else ""
-            raise OSError(f"could not bind {address}{shared}")
+            raise BindError(f"could not bind {address}{shared}")
         port = bound  # port 0 asks for a free port once: the others share the one it got
         servers.append(server)
     return servers, port

@@ -12,7 +12,9 @@ from prometheus_client import (
     start_http_server,
 )
 
+from specsplit.common.address import bracketed
 from specsplit.protocol import errors
+from specsplit.server.listeners import BindError
 from specsplit.protocol.messages import DoneReason
 
 # Label values known in advance start at 0, so that rate() and absence alerts see a series
@@ -98,4 +100,7 @@ class ServerMetrics:
                 counter.labels(value)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        try:  # the HTTP server wants an IPv6 address bare, where gRPC wants it in brackets
+            start_http_server(port, addr=host.strip("[]"), registry=self.registry)
+        except OSError as exc:
+            raise BindError(f"could not serve the metrics on {bracketed(host)}:{port}: {exc}") from None
