@@ -534,7 +534,7 @@ def test_serve_refuses_a_busy_port_and_a_short_token_before_loading(tmp_path) ->
         for extra, message in ((["--port", str(port)], f"127.0.0.1:{port} is already in use"),
                                (["--port", "0", "--metrics-port", str(port)], f"127.0.0.1:{port} is already in use"),
                                (["--port", "0", "--tokens-file", str(tokens)], "shorter than 16 characters"),
-                               (["--port", "0", "--metrics-host", "127.0.0.2"], "give their --metrics-port too")):
+                               (["--port", "0", "--metrics-host", "127.0.0.2"], "--metrics-host places the metrics: give a metrics port too")):
             proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", "--target", "/no/such/model",
                                    *extra], capture_output=True, text=True, timeout=120)
             assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -1,6 +1,8 @@
 """Optional per-device bearer tokens, checked by a gRPC server interceptor.
 
-Tokens file: one `DEVICE_ID TOKEN` pair per line (# comments allowed). A call without
+Tokens file: one `DEVICE_ID TOKEN` pair per line; blank lines and lines starting with # are
+skipped. A token is printable ASCII (all gRPC metadata carries), at least 16 characters, a
+`#` in it as good as any other character. A call without
 an `authorization: Bearer ...` header is UNAUTHENTICATED; a token no device holds is
 PERMISSION_DENIED. Health checking and reflection stay open so probes work.
 """
@@ -26,13 +28,19 @@ def load_tokens(path: Path) -> dict[str, str]:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason})") from None
     for n, line in enumerate(text.splitlines(), start=1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
+        # A comment is a whole line: a # inside a token cut it short, to a prefix that let in
+        # whoever held just that, while the device's whole token was refused.
+        line = line.strip()
+        if not line or line.startswith("#"):
             continue
         parts = line.split()
         if len(parts) != 2:
             raise ValueError(f"{path}:{n}: expected 'DEVICE_ID TOKEN'")
         device, token = parts
+        if not (token.isascii() and token.isprintable()):
+            # gRPC metadata carries none other, so no device could send it; and comparing one
+            # failed every call, every device's.
+            raise ValueError(f"{path}:{n}: token of device {device} is not printable ASCII")
         if len(token) < 16:
             raise ValueError(f"{path}:{n}: token of device {device} is shorter than 16 characters")
         if token in tokens:  # else the later line would win, and deleting it would not revoke the token
@@ -71,8 +79,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._on_refusal = on_refusal  # so that refusals are counted and logged: token guessing shows
 
     def device_for(self, token: str) -> str | None:
+        presented = token.encode("utf-8", "surrogateescape")  # compare_digest takes ASCII str only
         for known, device in self._tokens.items():
-            if hmac.compare_digest(known, token):
+            if hmac.compare_digest(known.encode(), presented):
                 return device
         return None
 

@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")
     s.add_argument("--tls-key", help="server private key (PEM)")
     s.add_argument("--tls-client-ca", help="CA (PEM) that signed client certificates: require mutual TLS")
-    s.add_argument("--tokens-file", help="per-device bearer tokens, one 'DEVICE_ID TOKEN' per line")
+    s.add_argument("--tokens-file", help="per-device bearer tokens, one 'DEVICE_ID TOKEN' per line (tokens "
+                   "of 16 or more printable ASCII characters; lines starting with # are comments)")
     s.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one JSON object per line, with the session id as a field")
     s.set_defaults(func=_serve)
