@@ -581,6 +581,32 @@ def test_a_second_signal_ends_the_drain(tiny, tmp_path) -> None:
     assert log.rstrip().endswith("stopped")
 
 
+def test_an_edge_gone_during_the_drain_went_away_and_every_session_opened_is_counted(tiny, tmp_path) -> None:
+    """An edge leaving during the grace was counted as cut off by the shutdown and logged
+    nowhere; and a resumed session that ended at once was counted ended, never opened."""
+    mport = free_port()
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--grace", "600", "--metrics-port", str(mport)) \
+            as (address, proc):
+        with grpc.insecure_channel(address) as ch:
+            call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
+            finished = list(call(iter([open_msg(PROMPT, max_new=3, committed_ids=[9, 9, 9])]), timeout=30))
+        assert [m.WhichOneof("kind") for m in finished] == ["opened", "done"]
+        assert metric(f"127.0.0.1:{mport}", "specsplit_sessions_total") == 1.0
+        leaving, staying = HeldSession(address), HeldSession(address)
+        try:
+            proc.send_signal(signal.SIGTERM)
+            assert wait_for(lambda: "shutting down" in (tmp_path / "s.log").read_text(), 10)
+            leaving.close()
+            assert wait_for(lambda: "ended (the edge went away)" in (tmp_path / "s.log").read_text(), 10)
+            assert metric(f"127.0.0.1:{mport}", 'specsplit_sessions_ended_total{reason="disconnected"}') == 1.0
+            assert metric(f"127.0.0.1:{mport}", 'specsplit_sessions_ended_total{reason="shutdown"}') == 0.0
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0
+        finally:
+            staying.close()
+    assert "sessions still open at a second signal: 1 (" in (tmp_path / "s.log").read_text()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["models", "pull", "--target", "t.gguf"], "--target, --draft and --draft-quantize are for prepare"),
     (["models", "pull", "--draft-quantize", "int8"], "are for prepare"),

@@ -58,6 +58,9 @@ class SpecSplitService:
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
+        # Set once the drain ends the sessions left: an edge that goes away before then went
+        # away (and is logged so), not cut off by the shutdown.
+        self.cutting = False
         self.throttle = LogThrottle()
         metrics.sessions_limit.set(cfg.max_sessions)
         # Half the timeout where that is shorter than the grace: the timeout ends streams anyway.
@@ -96,12 +99,15 @@ class SpecSplitService:
                 out = conn.receive(event)
                 for item in out:
                     await outbox.put(item)
+                if any(isinstance(item, Opened) for item in out):
+                    # Every session opened, a resumed one that ends at once (its Done beside its
+                    # Opened) too: each is counted ended.
+                    self.metrics.sessions_total.inc()
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
                     pace = PaceLog.for_next(pace, time.monotonic())
                     self.worker.add(SessionHandle(conn.session, outbox, kv=self.worker.engine.new_state(),
                                                   stream_task=stream_task, pace=pace))
-                    self.metrics.sessions_total.inc()
                 elif isinstance(event, Close) and conn.session is not None:
                     # Cancelled: its cache and its place under --max-sessions go now (a kept
                     # stream's next Open would otherwise leave them held for good).
@@ -200,7 +206,7 @@ class SpecSplitService:
                 self.worker.remove(conn.session.session_id)
                 conn.session.cancel()
             if session is not None:
-                if reason == "disconnected" and self.draining:
+                if reason == "disconnected" and self.cutting:
                     reason = "shutdown"  # ended by the drain, which has logged it
                 elif reason in ("disconnected", "stalled") and conn.session is not None:  # (errors are logged)
                     why = "the edge went away" if reason == "disconnected" else "the edge stopped reading"
@@ -329,9 +335,11 @@ async def serve(
         while worker.sessions and loop.time() < deadline and not worker_task.done() and not hurry.is_set():
             await asyncio.sleep(0.1)  # (no session ends without the worker)
         if worker.sessions:
+            why = "at a second signal" if hurry.is_set() else "as the worker failed" if worker_task.done() \
+                else "after the grace"
             log.warning("sessions still open %s: %d (%s); ending them (their edges re-open elsewhere)",
-                        "at a second signal" if hurry.is_set() else "after the grace", len(worker.sessions),
-                        ", ".join(sorted(worker.sessions)))
+                        why, len(worker.sessions), ", ".join(sorted(worker.sessions)))
+        service.cutting = True
         await asyncio.gather(*(server.stop(1.0) for server in servers))
         service.trimmer.cancel()
         worker_task.cancel()
