@@ -307,6 +307,10 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys, monkey
             assert metric(f"127.0.0.1:{mport}", f'specsplit_errors_total{{code="{code}"}}') == 1, code
         assert re.search(r"call refused: PERMISSION_DENIED: this token belongs to no registered device "
                          r"\(from ipv4:127\.0\.0\.1:\d+\)", (tmp_path / "s.log").read_text())
+        assert "with mutual TLS and the tokens of 1 device (" in (tmp_path / "s.log").read_text()
+        # A session's line names its client and the device whose token it carried.
+        assert re.search(r"session \w+ from ipv4:127\.0\.0\.1:\d+, device pi-kitchen: done \(length\): 6 new tokens",
+                         (tmp_path / "s.log").read_text())
         # The health check (no token needed) reaches a TLS server with a client certificate.
         tls = ["--tls-ca", str(pki["ca"].with_suffix(".crt")), "--tls-cert", str(pki["client"].with_suffix(".crt")),
                "--tls-key", str(pki["client"].with_suffix(".key"))]
@@ -449,6 +453,37 @@ def test_stalled_network_recovers_or_fails_unavailable(tiny, server) -> None:
     assert time.monotonic() - started < 60
 
 
+LIBRARY_LINES = """
+import logging, sys, warnings
+from specsplit.server.cli import _libraries_log_json
+from specsplit.server.logfmt import JsonFormatter
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+logging.getLogger().handlers[0].setFormatter(JsonFormatter())
+_libraries_log_json()
+from transformers.utils import logging as transformers_logging
+from huggingface_hub.utils import logging as hub_logging
+transformers_logging.get_logger("transformers.modeling_utils").warning("from transformers")
+hub_logging.get_logger("huggingface_hub.file_download").warning("from the hub")
+warnings.warn("a warning")
+"""
+
+
+def test_json_logs_are_json_for_the_libraries_and_the_errors_too(tmp_path) -> None:
+    """transformers logged plain text past the JSON formatter, the hub's lines came twice, and
+    serve's error lines were plain text."""
+    import json as _json
+
+    proc = subprocess.run([sys.executable, "-c", LIBRARY_LINES], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) == 3, proc.stderr
+    assert [_json.loads(line)["msg"].splitlines()[0].split(": ")[-1] for line in lines] == [
+        "from transformers", "from the hub", "a warning"]
+    proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", "--log-format", "json",
+                           "--target", str(tmp_path / "none")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert [_json.loads(line)["level"] for line in proc.stderr.strip().splitlines()][-1] == "error"
+
+
 def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
     import json as _json
 
@@ -456,8 +491,11 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
     with launch_server(tiny.target_dir, log, "--log-format", "json") as (address, _):
         raw_stream(address, [open_msg(PROMPT, max_new=3)])
         raw_stream(address, [open_msg(PROMPT, max_new=5, committed_ids=[9, 10])])  # a resumed generation
+        raw_stream(address, [draft_msg(4, [1], PROMPT)])  # refused before any Open: no session
     text = log.read_text()
     lines = [_json.loads(l) for l in text.splitlines() if l.startswith("{")]
+    refused = [l for l in lines if "FAILED_PRECONDITION" in l["msg"]]
+    assert refused and refused[0]["msg"].startswith("stream ") and "session" not in refused[0]
     done = [l for l in lines if "done" in l["msg"]]
     assert done and done[0]["session"] and done[0]["level"] == "info"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", done[0]["ts"])  # ms, UTC

@@ -37,14 +37,38 @@ def settle_heap() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD)
 
 
+def _refuse(args: argparse.Namespace, message: str) -> int:
+    """serve's one line for what it cannot serve with (exit 2): a JSON line under --log-format json."""
+    if args.log_format == "json":
+        log.error("error: %s", message)
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _libraries_log_json() -> None:
+    """transformers' and huggingface_hub's lines as JSON lines too: both log through handlers of
+    their own (plain text; the hub's lines then came twice), and transformers draws progress bars."""
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.disable_default_handler()  # (each sets its handler up first where it has not)
+    transformers_logging.enable_propagation()
+    hub = hub_logging.get_logger()
+    for handler in list(hub.handlers):
+        hub.removeHandler(handler)
+    hub.propagate = True
+    logging.captureWarnings(True)  # warnings.warn too
+
+
 def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.serve_checks import check_serve_args
 
     try:
         sched, cfg = check_serve_args(args)
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(args, str(exc))
     import torch
 
     from specsplit.server.engine import TargetEngine, warm_up
@@ -54,30 +78,23 @@ def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.service import serve
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but no CUDA device is available", file=sys.stderr)
-        return 2
-    if args.log_format == "json":  # transformers' progress bars would break the lines' JSON
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
+        return _refuse(args, "--device cuda but no CUDA device is available")
+    if args.log_format == "json":
+        _libraries_log_json()
     from specsplit.server.static_engine import SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, kv_buckets_by_default
 
     args.engine = resolve_engine(args.engine, args.device)
     if args.engine == "static" and (args.max_verify_tokens >= TOKEN_BUCKETS[-1]
                                     or args.max_batch_sessions > SESSION_BUCKETS[-1]):
-        print(f"error: the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
-              f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions); "
-              "--engine dynamic takes more",
-              file=sys.stderr)
-        return 2
+        return _refuse(args, f"the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
+                       f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions); "
+                       "--engine dynamic takes more")
     if args.kv_buckets and args.engine != "static":
-        print("error: --kv-buckets sizes the static engine's passes; it needs --engine static", file=sys.stderr)
-        return 2
+        return _refuse(args, "--kv-buckets sizes the static engine's passes; it needs --engine static")
     if args.kv_buckets is None:
         args.kv_buckets = args.engine == "static" and kv_buckets_by_default(args.static_max_len)
     if args.fuse and args.engine != "static":
-        print("error: --fuse compiles the static engine's modules; it needs --engine static", file=sys.stderr)
-        return 2
+        return _refuse(args, "--fuse compiles the static engine's modules; it needs --engine static")
     # The target thread lets go of the GIL in every torch call and must get it back from the
     # event loop, which under load is always busy with messages: at Python's default of 5 ms
     # per hand-over, a GPU pass stretched well past its GPU time.
@@ -92,8 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
     # No such path, a hub id that cannot be fetched, a partial checkpoint, a file that is no model.
     except (OSError, MissingWeights, UnreadableModel) as exc:
-        print(f"error: cannot load the target {args.target}: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(args, f"cannot load the target {args.target}: {exc}")
     if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
         from specsplit.server.cpu_linear import use_mlas_linears
 
@@ -123,8 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(engine, sched, cfg))
     except BindError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(args, str(exc))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""JSON log lines (`--log-format json`), with the session id as a field where there is one."""
+"""JSON log lines (`--log-format json`), with the session id and the device as fields where there are."""
 from __future__ import annotations
 
 import datetime
@@ -16,8 +16,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        if session := getattr(record, "session", None):
-            line["session"] = session
+        for field in ("session", "device"):  # where the line has one
+            if value := getattr(record, field, None):
+                line[field] = value
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line)

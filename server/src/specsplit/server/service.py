@@ -133,6 +133,7 @@ class SpecSplitService:
         within idle_stream_s ends with DEADLINE_EXCEEDED."""
         conn = ServerConnection(self.limits, uuid.uuid4().hex[:12])
         peer = context.peer()
+        device = self._device(context)
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
         reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
         session: str | None = None  # the open session's id, from its Opened to its Done
@@ -167,8 +168,9 @@ class SpecSplitService:
                 if isinstance(item, errors.ProtocolError):
                     reason = "error"
                     self.metrics.errors.labels(item.status).inc()
-                    self._client_failed(peer, item.status, f"session {session or conn.stream_id}: {item.status}: "
-                                        f"{item.message}", session or conn.stream_id)
+                    # Before an Opened there is no session: the stream is what failed.
+                    what = f"session {session}" if session else f"stream {conn.stream_id}"
+                    self._client_failed(peer, item.status, f"{what}: {item.status}: {item.message}", session, device)
                     pushback = () if item.retry_after_s is None else \
                         ((errors.PUSHBACK_METADATA, str(round(item.retry_after_s * 1000))),)
                     await context.abort(grpc.StatusCode[item.status], item.message, pushback)
@@ -187,8 +189,9 @@ class SpecSplitService:
                     self.metrics.drafts_accepted.inc(item.accepted)
                 yield codec.server_to_pb(item)
                 if isinstance(item, Done):
-                    log.info("session %s: done (%s): %s", session, item.reason.name.lower(),
-                             _new_tokens(item.committed_length - opened_len, resumed), extra={"session": session})
+                    log.info("session %s from %s: done (%s): %s", session, _client(peer, device),
+                             item.reason.name.lower(), _new_tokens(item.committed_length - opened_len, resumed),
+                             extra={"session": session, "device": device})
                     self._ended(item.reason.name.lower())
                     session = None
                     if half_closed:
@@ -210,17 +213,26 @@ class SpecSplitService:
                     reason = "shutdown"  # ended by the drain, which has logged it
                 elif reason in ("disconnected", "stalled") and conn.session is not None:  # (errors are logged)
                     why = "the edge went away" if reason == "disconnected" else "the edge stopped reading"
-                    log.info("session %s from %s: ended (%s) after %s", session, peer, why,
-                             _new_tokens(conn.session.committed_len - opened_len, resumed), extra={"session": session})
+                    log.info("session %s from %s: ended (%s) after %s", session, _client(peer, device), why,
+                             _new_tokens(conn.session.committed_len - opened_len, resumed),
+                             extra={"session": session, "device": device})
                 self._ended(reason)
 
-    def _client_failed(self, peer: str, status: str, what: str, session: str | None = None) -> None:
+    def _device(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The device whose token the call carries (auth checked it), where tokens are asked."""
+        if self.cfg.tokens is None:
+            return None
+        header = dict(context.invocation_metadata() or ()).get("authorization", "")
+        return self.cfg.tokens.get(header.removeprefix("Bearer ").strip())
+
+    def _client_failed(self, peer: str, status: str, what: str, session: str | None = None,
+                       device: str | None = None) -> None:
         """One line for a client's failed call, at most one per client and status in
         LogThrottle's interval."""
         held = self.throttle.allow(f"{client_of(peer)} {status}")
         if held is not None:
             more = f" ({held} like it not logged since)" if held else ""
-            log.info("%s (from %s)%s", what, peer, more, extra={"session": session} if session else None)
+            log.info("%s (from %s)%s", what, _client(peer, device), more, extra={"session": session, "device": device})
 
     def refused(self, code: grpc.StatusCode, peer: str, message: str) -> None:
         """A call the token check refused (auth.OnRefusal)."""
@@ -230,6 +242,19 @@ class SpecSplitService:
     def _ended(self, reason: str) -> None:
         self.metrics.sessions_active.dec()
         self.metrics.sessions_ended.labels(reason).inc()
+
+
+def _security(cfg: ServeConfig) -> str:
+    """What the startup line says of who may connect: the log shows the setup it serves with."""
+    tls = "" if cfg.tls is None else " with mutual TLS" if cfg.tls.client_ca else " with TLS"
+    if cfg.tokens is None:
+        return tls
+    devices = len(set(cfg.tokens.values()))
+    return f"{tls}{' and' if tls else ' with'} the tokens of {devices} device{'s' if devices != 1 else ''}"
+
+
+def _client(peer: str, device: str | None) -> str:
+    return peer if device is None else f"{peer}, device {device}"
 
 
 def _new_tokens(generated: int, resumed: int) -> str:
@@ -281,7 +306,7 @@ async def serve(
 
     servers, port = bind_listeners(cfg.listeners, cfg.host, cfg.port, register, options, interceptors,
                                    cfg.tls.credentials() if cfg.tls else None)
-    address = f"{cfg.host}:{port}"
+    address = f"{bracketed(cfg.host)}:{port}"
     metrics_host = cfg.metrics_host or cfg.host
     if cfg.metrics_port is not None:
         metrics.serve(cfg.metrics_port, metrics_host)
@@ -316,7 +341,8 @@ async def serve(
             pass
     log.info(
         "serving %s%s on %s%s%s (vocab %d, context %d, tokenizer %s)%s",
-        engine.loaded.name, f" as {limits.target_model}" if limits.target_model != engine.loaded.name else "", address, " with TLS" if cfg.tls else "",
+        engine.loaded.name, f" as {limits.target_model}" if limits.target_model != engine.loaded.name else "", address,
+        _security(cfg),
         f" ({cfg.listeners} listeners)" if cfg.listeners > 1 else "", limits.vocab_size, limits.max_context,
         limits.tokenizer_fingerprint,
         f"; metrics on http://{bracketed(metrics_host)}:{cfg.metrics_port}/metrics"
