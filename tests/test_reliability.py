@@ -316,7 +316,13 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys, monkey
                "--tls-key", str(pki["client"].with_suffix(".key"))]
         assert server_cli.main(["health", "--address", addr, *tls]) == 0
         assert server_cli.main(["health", "--address", addr, *tls[:2]]) == 1  # no client certificate
+        capsys.readouterr()
         assert server_cli.main(["health", "--address", addr, "--timeout", "1"]) == 1  # plaintext
+        assert "if it serves TLS, give --tls-ca or --tls" in capsys.readouterr().err  # not a bare "Socket closed"
+        # The name the certificate must hold, where the address dialled is another (a probe by IP).
+        assert server_cli.main(["health", "--address", addr, *tls, "--tls-server-name", "localhost"]) == 0
+        assert server_cli.main(["health", "--address", addr, *tls, "--tls-server-name", "gpu1.example.com"]) == 1
+        assert "does not name the host in --address" in capsys.readouterr().err
         # TLS settings that do not match the server's read as a lost server in gRPC's words;
         # the edge's error line says which setting to look at.
         (tmp_path / "other").mkdir()

@@ -23,7 +23,7 @@ import grpc
 
 from specsplit.common.address import check_host_port
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
-from specsplit.common.tls import client_credentials, handshake_failed
+from specsplit.common.tls import client_credentials, tls_hint
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the stats line's reader has gone (`2>&1 | head`)
         return _stdout_failed(BrokenPipeError())
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
-        print(f"error: {exc.code().name}: {exc.details()}{_tls_hint(exc.details() or '', args)}", file=sys.stderr)
+        print(f"error: {exc.code().name}: {exc.details()}{_hint(exc.details() or '', args)}", file=sys.stderr)
         return 1
     except ConnectionError as exc:  # the stream ended before its Done, retries spent (an OSError: caught first)
         print(f"error: {exc}", file=sys.stderr)
@@ -428,24 +428,9 @@ class StdoutFailed(Exception):
     """Writing the answer to standard output failed; the cause says how."""
 
 
-def _tls_hint(details: str, args: argparse.Namespace) -> str:
-    """What a failed connection's details say of TLS settings that do not match the server's,
-    which gRPC reports as a lost server (and the edge retried as one)."""
-    if "Hostname Verification" in details:
-        return ("\n(the server's certificate does not name the host in --server: give the name it holds with "
-                "--tls-server-name)")
-    if handshake_failed(details):
-        if "WRONG_VERSION_NUMBER" in details:
-            return "\n(the server does not seem to speak TLS: leave out --tls, --tls-ca, --tls-cert and --tls-key)"
-        return ("\n(the TLS handshake failed: --tls-ca must hold the CA that signed the server's certificate, "
-                "and the certificate must name the host in --server, or --tls-server-name)")
-    if "Socket closed" in details:
-        if args.tls_ca is None and args.tls_cert is None and not args.tls:
-            return "\n(the server closed the connection at once: if it serves TLS, give --tls-ca or --tls)"
-        if args.tls_cert is None:
-            return ("\n(the server closed the connection at once: if it asks for client certificates, give "
-                    "--tls-cert and --tls-key)")
-    return ""
+def _hint(details: str, args: argparse.Namespace) -> str:
+    return tls_hint(details, tls=bool(args.tls or args.tls_ca or args.tls_cert), client_cert=bool(args.tls_cert),
+                    address_flag="--server")
 
 
 def _loopback(server: str) -> bool:

@@ -197,21 +197,26 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from specsplit.common.tls import client_credentials
+    from specsplit.common.tls import client_credentials, tls_hint
 
     try:
-        credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.tls)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    channel = grpc.secure_channel(args.address, credentials) if credentials else grpc.insecure_channel(args.address)
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    channel = grpc.secure_channel(args.address, credentials, options) if credentials \
+        else grpc.insecure_channel(args.address)
     with channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
         except grpc.RpcError as exc:  # the details tell a refused connection from a TLS or DNS failure
-            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            details = exc.details() or ""
+            hint = tls_hint(details, tls=credentials is not None, client_cert=bool(args.tls_cert),
+                            address_flag="--address")
+            print(f"{args.address}: {exc.code().name}: {details}{hint}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     print(f"{args.address}: {status}")
@@ -401,8 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--address", default=f"localhost:{ServeConfig.port}", help="HOST:PORT of the server")
     h.add_argument("--service", default="", help="service name (default: the whole server)")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for its answer")
-    h.add_argument("--tls-ca", help="check over TLS, trusting this CA certificate (PEM; default with --tls-cert: "
-                   "the system's CAs)")
+    h.add_argument("--tls", action="store_true",
+                   help="check over TLS, trusting gRPC's default public CAs (--tls-ca names a CA of your own)")
+    h.add_argument("--tls-ca", help="check over TLS, trusting this CA certificate (PEM; default with --tls or "
+                   "--tls-cert: gRPC's default public CAs)")
+    h.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the server's certificate holds, where --address dials it by another (localhost, "
+                   "an IP address)")
     h.add_argument("--tls-cert", help="this client's certificate (PEM), for a server that asks for one (mutual TLS)")
     h.add_argument("--tls-key", help="this client's private key (PEM), with --tls-cert")
     h.set_defaults(func=_health, command_parser=h)
@@ -417,6 +427,8 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     if args.func is _export and not args.tolerance >= 0:
         return f"--tolerance must be 0 or more, got {args.tolerance}"
     if args.func is _health:
+        if args.tls_server_name is not None and not (args.tls or args.tls_ca or args.tls_cert):
+            return "--tls-server-name is for TLS: give --tls or --tls-ca too"
         if not 0 < args.timeout <= MAX_HEALTH_TIMEOUT_S:  # gRPC takes a far deadline for one long past
             return f"--timeout must be above 0 and at most {MAX_HEALTH_TIMEOUT_S:g} s, got {args.timeout}"
         try:

@@ -76,3 +76,25 @@ def handshake_failed(details: str) -> bool:
     that did not sign the server's certificate, a name it does not hold, TLS to a plaintext
     port. Unlike a lost server, the same handshake fails the same way again."""
     return "handshake failed" in details.lower() or "Hostname Verification" in details
+
+
+def tls_hint(details: str, tls: bool, client_cert: bool, address_flag: str) -> str:
+    """Which TLS setting a failed connection's `details` point at, where the settings do not
+    match the server's (gRPC reports them as a lost server); "" where they point at none. `tls`:
+    whether any TLS was asked for; `client_cert`: a client certificate given; `address_flag`: the
+    option that names the server."""
+    if "Hostname Verification" in details:
+        return (f"\n(the server's certificate does not name the host in {address_flag}: give the name it holds "
+                "with --tls-server-name)")
+    if handshake_failed(details):
+        if "WRONG_VERSION_NUMBER" in details:
+            return "\n(the server does not seem to speak TLS: leave out --tls, --tls-ca, --tls-cert and --tls-key)"
+        return ("\n(the TLS handshake failed: --tls-ca must hold the CA that signed the server's certificate, "
+                f"and the certificate must name the host in {address_flag}, or --tls-server-name)")
+    if "Socket closed" in details:
+        if not tls:
+            return "\n(the server closed the connection at once: if it serves TLS, give --tls-ca or --tls)"
+        if not client_cert:
+            return ("\n(the server closed the connection at once: if it asks for client certificates, give "
+                    "--tls-cert and --tls-key)")
+    return ""
