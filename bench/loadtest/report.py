@@ -175,9 +175,9 @@ def render_markdown(report: dict, name: str) -> str:
         f"{s['max_new_tokens']} new tokens per generation, greedy, {len(report['prompts'])} prompts cycled "
         f"({PROMPT_SETS[report.get('prompt_set', 'stubs')]}), "  # reports from before the choice used the stubs
         f"lookahead window {_window(s)}",
-        f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
-        f"draft delay {s['draft_delay_ms']:g} ms per token, a branch from the right token beside "
-        f"{s.get('branch_coverage', 0.0):.0%} of the first wrong drafts",
+        *([f"- simulated edges: right token with probability alpha = {s['alpha']} per position, "
+           f"draft delay {s['draft_delay_ms']:g} ms per token, a branch from the right token beside "
+           f"{s.get('branch_coverage', 0.0):.0%} of the first wrong drafts"] if "sim" in s["modes"] else []),
         f"- SLO: every session at least {report['slo']:g} tokens/s "
         + ("(the tokens it committed in the measured window, "
            "until the point's time was up, over the time from its first generation, or the window's opening if later, "
