@@ -103,7 +103,7 @@ def test_a_session_opened_as_its_stream_goes_is_forgotten() -> None:
 
 def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
     """A session opened, then its stream ended by `mark`: the scheduler's stall (its handle
-    marked, its task cancelled), the edge gone, or the drain."""
+    marked, its task cancelled), the edge gone (during a drain too), or the drain's end."""
     import logging
 
     async def requests():  # type: ignore[no-untyped-def]
@@ -125,7 +125,8 @@ def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
         assert (await stream.__anext__()).WhichOneof("kind") == "opened"
         if mark == "stalled":
             next(iter(worker.sessions.values())).stalled = True
-        svc.draining = mark == "shutdown"
+        svc.draining = mark in ("shutdown", "gone while draining")
+        svc.cutting = mark == "shutdown"  # the drain, at its end
         await stream.aclose()
         return svc
 
@@ -145,6 +146,9 @@ def test_how_a_session_without_its_done_ended_is_counted_and_logged_with_its_cli
     ended, lines = _ended_after_opened("disconnected")
     assert ended == {"stalled": 0, "disconnected": 1, "shutdown": 0}
     assert any("from ipv4:127.0.0.1:50000: ended (the edge went away) after 0 new tokens" in line for line in lines)
+    ended, lines = _ended_after_opened("gone while draining")  # left during the grace: gone, and logged so
+    assert ended == {"stalled": 0, "disconnected": 1, "shutdown": 0}
+    assert any("ended (the edge went away)" in line for line in lines)
     ended, lines = _ended_after_opened("shutdown")  # the drain's own warning names it
     assert ended == {"stalled": 0, "disconnected": 0, "shutdown": 1} and not any("ended (" in line for line in lines)
 
