@@ -6,27 +6,41 @@ from its own settings: given again, the report would describe another server.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 
 from specsplit.server.cli import build_parser
 
+UNSET = object()
+PLACEHOLDER_TARGET = "\0the benchmark's target"  # compared by identity: a --target given is another str
+
 
 def serve_args_problem(server_args: list[str], own: tuple[str, ...]) -> str | None:
     """What serve's command line refuses in `server_args`, or the first of the `own` options
-    they set (abbreviated too, as argparse takes them); None if nothing."""
+    they give (abbreviated too, as argparse takes them; at serve's default value too: they come
+    after the benchmark's own and would win); None if nothing."""
     if any(a in ("-h", "--help") for a in server_args):
         return "--help prints serve's help instead of serving"
+    # Each own option starts as UNSET, which argparse keeps unless the option is given; --target,
+    # which serve requires, is given here first, so that one in `server_args` replaces it.
+    # (serve's own parser: the top level's copies a subcommand's defaults over the namespace.)
+    serve = build_parser().parse_args(["serve", "--target", PLACEHOLDER_TARGET]).command_parser
+    given = argparse.Namespace(**{_dest(flag): UNSET for flag in own if flag != "--target"})
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            given = build_parser().parse_args(["serve", "--target", "t", *server_args])
-    except SystemExit:
+            serve.parse_args(["--target", PLACEHOLDER_TARGET, *server_args], namespace=given)
+    except SystemExit as exit_:
+        if exit_.code == 0:  # an abbreviated --help
+            return "--help prints serve's help instead of serving"
         said = err.getvalue().strip().splitlines()
         return said[-1].split("error: ", 1)[-1] if said else "serve refuses them"
-    defaults = build_parser().parse_args(["serve", "--target", "t"])
     for flag in own:
-        dest = flag.removeprefix("--").replace("-", "_")
-        if getattr(given, dest) != getattr(defaults, dest):
+        if getattr(given, _dest(flag)) is not (PLACEHOLDER_TARGET if flag == "--target" else UNSET):
             return f"{flag} is the benchmark's to set"
     return None
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")

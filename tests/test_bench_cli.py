@@ -121,6 +121,9 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     # Abbreviated, as serve's argparse takes them: the report would have said 1 thread, bf16.
     (["--name", "x", "--server-args=--thread 4"], "--threads is the benchmark's to set"),
     (["--name", "x", "--server-args=--dty fp32"], "--dtype is the benchmark's to set"),
+    # At serve's default value too: given after the benchmark's own, it would win.
+    (["--name", "x", "--server-args=--port 50051"], "--port is the benchmark's to set"),
+    (["--name", "x", "--server-args=--he"], "--help prints serve's help"),
 ])
 def test_the_benchmark_refuses_settings_before_it_prepares_models(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -153,6 +156,7 @@ def test_capacity_says_so_when_its_input_is_not_a_load_test_report(tmp_path, cap
     ("--dtype=fp32", "--dtype is the benchmark's to set"),  # the report said bf16
     ("--thread=4", "--threads is the benchmark's to set"),  # abbreviated: the report said 1 torch thread
     ("--device=cuda", "--device is the benchmark's to set"),
+    ("--device=cpu", "--device is the benchmark's to set"),  # the default, given after the load test's own
 ])
 def test_the_load_test_refuses_server_args_before_it_builds_models(server_arg, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -501,30 +501,42 @@ def test_a_generation_failure_is_counted_by_its_status_and_a_load_generator_faul
         asyncio.run(_Session(spec, 0, "none").run(time.monotonic(), time.monotonic(), None))
 
 
-def _points(*met: bool, first: int = 4) -> list[dict]:
-    return [{"sessions": first * 2**i, "meets_slo": m} for i, m in enumerate(met)]
+def _points(*met: bool | None, first: int = 4) -> list[dict]:
+    """Points of doubling session counts: True met the SLO, False missed it, None served nothing."""
+    return [{"sessions": first * 2**i, "meets_slo": bool(m), "generations": 0 if m is None else 10}
+            for i, m in enumerate(met)]
+
+
+def _report(none: list[dict], sim: list[dict], stopped: str | None = None) -> dict:
+    return {"summary": {"baseline_sessions_at_slo": sessions_at_slo(none), "split_sessions_at_slo": sessions_at_slo(sim),
+                        "errors": {"total": 0, "by_code": {}}, "mismatched_outputs": 0},
+            "machine": {"cpu": "c"}, "models": {"target": {"name": "t"}}, "alpha": 0.85, "slo": 20.0,
+            "results": {"none": none, "sim": sim}, "rerun": "r", "stopped": stopped}
 
 
 def test_a_limit_the_sweep_did_not_find_is_said_so_and_the_ratio_is_a_bound_or_unknown() -> None:
-    assert (slo_limit(_points(True, False)), limit_text(_points(True, False))) == ("found", "4")
-    assert (slo_limit(_points(False)), limit_text(_points(False))) == ("below", "fewer than 4 (the fewest tried missed it)")
-    assert (slo_limit(_points(True, True)), limit_text(_points(True, True))) == ("beyond", "8 or more (the most tried)")
+    def limit(points: list[dict]) -> tuple[str, str]:
+        return slo_limit(points), limit_text(_report(points, points), "none")
 
-    def report(none: list[dict], sim: list[dict]) -> dict:
-        return {"summary": {"baseline_sessions_at_slo": sessions_at_slo(none), "split_sessions_at_slo": sessions_at_slo(sim),
-                            "errors": {"total": 0, "by_code": {}}, "mismatched_outputs": 0},
-                "machine": {"cpu": "c"}, "models": {"target": {"name": "t"}}, "alpha": 0.85, "slo": 20.0,
-                "results": {"none": none, "sim": sim}, "rerun": "r"}
-
-    found = capacity(report(_points(True, False), _points(True, True, False)))
+    assert limit(_points(True, False)) == ("found", "4")
+    assert limit(_points(False)) == ("below", "fewer than 4 (the fewest tried missed it)")
+    assert limit(_points(True, True)) == ("beyond", "8 or more (the most tried)")
+    # A point that served nothing (the server gone) ends the sweep but is no miss.
+    assert limit(_points(True, None)) == ("beyond", "4 or more (the most tried)")
+    assert limit(_points(None))[0] == "unknown"
+    # "Stopped" is said of the mode whose sweep stopped (the last swept), not of one that ran to its end.
+    stopped = _report(_points(True, True), _points(True, True), stopped="interrupted")
+    assert (limit_text(stopped, "none"), limit_text(stopped, "sim")) == (
+        "8 or more (the most tried)", "8 or more (the most tried before the sweep stopped)")
+    found = capacity(_report(_points(True, False), _points(True, True, False)))
     assert (found["ratio"], found["ratio_kind"]) == (2.0, "exact")
-    beyond = capacity(report(_points(True, False), _points(True, True, True)))
+    beyond = capacity(_report(_points(True, False), _points(True, True, True)))
     assert (beyond["ratio"], beyond["ratio_kind"], beyond["split_limit"]) == (4.0, "at least", "beyond")
     assert "| ratio | at least 4.00x |" in capacity_render(beyond, "x.json")
-    assert capacity(report(_points(True, True), _points(True, False)))["ratio_kind"] == "at most"
-    both_beyond = capacity(report(_points(True, True), _points(True, True)))
+    assert capacity(_report(_points(True, True), _points(True, False)))["ratio_kind"] == "at most"
+    both_beyond = capacity(_report(_points(True, True), _points(True, True)))
     assert both_beyond["ratio"] is None and "n/a (a limit the sweep did not find)" in capacity_render(both_beyond, "x")
-    below = capacity(report(_points(False), _points(True, False)))
+    below = capacity(_report(_points(False), _points(True, False)))
     assert below["ratio"] is None and "fewer than 4" in capacity_render(below, "x")
 
 

@@ -15,7 +15,7 @@ from specsplit.server.config import OUTBOX_ROOM, ConfigError, SchedulerConfig, S
         (lambda: SchedulerConfig(max_verify_tokens=0), "max_verify_tokens", "must be at least 1"),
         (lambda: SchedulerConfig(max_batch_tokens=0), "max_batch_tokens", "must be at least 1"),
         (lambda: SchedulerConfig(idle_wait_s=-0.01), "idle_wait_s", "must be 0 or more"),
-        (lambda: SchedulerConfig(max_wait_s=math.inf), "max_wait_s", "must be 0 or more"),
+        (lambda: SchedulerConfig(max_wait_s=math.inf), "max_wait_s", "must be finite"),
         (lambda: SchedulerConfig(stalled_edge_s=math.nan), "stalled_edge_s", "must be above 0"),
         (lambda: SchedulerConfig(pace_tokens_per_s=-1), "pace_tokens_per_s", "must be 0 or more"),
         (lambda: SchedulerConfig(idle_policy="never"), "idle_policy", "must be one of"),

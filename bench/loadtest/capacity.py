@@ -45,13 +45,14 @@ def capacity(report: dict) -> dict:
         "slo_tokens_per_s": report["slo"],
         "baseline_sessions_at_slo": base,
         "split_sessions_at_slo": split,
-        # "found", "below" (under the fewest tried) or "beyond" (the most tried, or more); None: not swept
+        # "found", "below" (under the fewest tried), "beyond" (the most tried, or more) or "unknown"
+        # (nothing served at the first point); None: not swept
         "baseline_limit": limits["none"],
         "split_limit": limits["sim"],
         "ratio": split / base if ratio_kind else None,  # None: a mode not swept, or a limit not found
         "ratio_kind": ratio_kind,  # exact, "at least", "at most"
-        "baseline_text": limit_text(results["none"], bool(report.get("stopped"))) if swept["none"] else None,
-        "split_text": limit_text(results["sim"], bool(report.get("stopped"))) if swept["sim"] else None,
+        "baseline_text": limit_text(report, "none") if swept["none"] else None,
+        "split_text": limit_text(report, "sim") if swept["sim"] else None,
         "errors": s["errors"],
         "mismatched_outputs": s["mismatched_outputs"],
         "server_args": report.get("server_args"),

@@ -9,8 +9,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from loadtest.endpoint import ServerEndpoint
 from loadtest.machine import machine_info
 from loadtest.drafts import describe_draft
@@ -19,10 +17,11 @@ from loadtest.prompts import PromptSet, load_prompts
 from loadtest.report import build_report
 from loadtest.scrape import UNREADABLE, scrape
 from loadtest.sessions import LoadSettings, LoadSpec
-from loadtest.sweep import SweepConfig, reference_continuations, sweep, warm_up
+from loadtest.sweep import INTERRUPTED, SweepConfig, reference_continuations, sweep, warm_up
 from loadtest.workers import ClientWorkers
 from orchestrate import free_port, running_server
-from specsplit.edge.client import StreamEnded, StreamStalled
+from specsplit.edge.failures import GENERATION_FAILURES
+from specsplit.edge.retry import describe
 from specsplit.protocol.messages import Opened
 
 LOG_TAIL = 3000  # characters of the server log shown when a run fails
@@ -74,6 +73,7 @@ class Running:
     opened: Opened  # the warm-up's: what the server serves (its target's name and vocabulary)
     draft_dir: Path | None  # the onnx edges' draft
     setup: dict  # what the report says of the machine, pinning, models and server
+    server_log: Path | None = None  # of a server started here
 
 
 def _client_pinning(opts: RunOptions) -> dict:
@@ -122,7 +122,7 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
                     log("serving; a warm-up generation ...")
                     with _serving(handle.endpoint, "the warm-up generation"):
                         opened = warm_up(handle.endpoint, prompts)
-                    yield Running(handle, prompts, opened, models.draft_dir, setup)
+                    yield Running(handle, prompts, opened, models.draft_dir, setup, server_log)
         except BaseException:
             if server_log.is_file():
                 log(f"server log, last lines:\n{server_log.read_text()[-LOG_TAIL:]}")
@@ -141,10 +141,8 @@ def _serving(endpoint: ServerEndpoint, what: str) -> Iterator[None]:
     """SetupError, in one line, where the server fails `what` (a lost server, a refusal)."""
     try:
         yield
-    except (grpc.aio.AioRpcError, StreamStalled) as exc:
-        raise SetupError(f"the server at {endpoint.address} failed {what}: {exc.code().name}: {exc.details()}") from None
-    except StreamEnded as exc:
-        raise SetupError(f"the server at {endpoint.address} failed {what}: {exc}") from None
+    except GENERATION_FAILURES as exc:
+        raise SetupError(f"the server at {endpoint.address} failed {what}: {describe(exc)}") from None
 
 
 def _check_metrics(url: str) -> None:
@@ -204,4 +202,9 @@ def sweep_and_report(running: Running, opts: RunOptions, cfg: SweepConfig, setti
 def execute(opts: RunOptions, cfg: SweepConfig, settings: LoadSettings, log: Callable[[str], None] = print) -> dict:
     """A whole run: start (or attach), sweep, stop; the report."""
     with started(opts, cfg, log) as running:
-        return sweep_and_report(running, opts, cfg, settings, log)
+        report = sweep_and_report(running, opts, cfg, settings, log)
+        log_file = running.server_log
+        if report["stopped"] not in (None, INTERRUPTED) and log_file is not None and log_file.is_file():
+            # A point that failed may be the server's doing; without --server-log its log goes with the run.
+            log(f"server log, last lines:\n{log_file.read_text()[-LOG_TAIL:]}")
+        return report

@@ -214,7 +214,7 @@ def render_markdown(report: dict, name: str) -> str:
     for mode, key in (("none", "baseline_sessions_at_slo"), ("sim", "split_sessions_at_slo"),
                       ("onnx", "onnx_sessions_at_slo")):
         if summ[key] is not None:
-            lines.append(f"| {MODE_TITLES[mode]} | {limit_text(report['results'][mode], bool(report.get('stopped')))} |")
+            lines.append(f"| {MODE_TITLES[mode]} | {limit_text(report, mode)} |")
     by_code = ", ".join(f"{k}: {v}" for k, v in summ["errors"]["by_code"].items()) or "none"
     lines += ["", f"Errors: {summ['errors']['total']} ({by_code}). Outputs differing from the target's greedy "
               f"continuation: {summ['mismatched_outputs']}.", ""]
@@ -237,13 +237,18 @@ def render_markdown(report: dict, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def limit_text(points: list[dict], stopped: bool = False) -> str:
+def limit_text(report: dict, mode: str) -> str:
     """A mode's sessions at the SLO, as far as its points tell (sweep.slo_limit)."""
+    points = report["results"][mode]
     limit = slo_limit(points)
+    if limit == "unknown":
+        return f"unknown (nothing was served at {points[0]['sessions']} sessions, the first point)"
     if limit == "below":
         return f"fewer than {points[0]['sessions']} (the fewest tried missed it)"
     count = sessions_at_slo(points)
     if limit == "beyond":
+        # Where the sweep stopped early, in this mode's sweep (the last mode swept) or not.
+        stopped = report.get("stopped") and mode == list(report["results"])[-1]
         return f"{count} or more (the most tried" + (" before the sweep stopped)" if stopped else ")")
     return str(count)
 

@@ -53,7 +53,7 @@ class LoadSettings:
         if (self.duration_s is None) == (self.generations is None):
             raise ValueError("give either a duration or a number of generations per session")
         if self.duration_s is not None and not 0 < self.duration_s < math.inf:
-            raise ValueError(f"the duration must be above 0 s, got {self.duration_s}")
+            raise ValueError(f"the duration must be above 0 s and finite, got {self.duration_s}")
         if self.generations is not None and self.generations < 1:
             raise ValueError(f"generations per session must be at least 1, got {self.generations}")
         if self.max_new_tokens < 1 or self.window < 1:
@@ -63,9 +63,9 @@ class LoadSettings:
             raise ValueError(f"alpha and the branch coverage are chances, from 0 to 1: got {self.alpha} and "
                              f"{self.branch_coverage}")
         if not 0 <= self.draft_delay_ms < math.inf:
-            raise ValueError(f"the draft delay must be 0 or more, got {self.draft_delay_ms}")
+            raise ValueError(f"the draft delay must be 0 or more and finite, got {self.draft_delay_ms}")
         if not (0 <= self.ramp_s < math.inf and 0 <= self.warmup_s < math.inf):
-            raise ValueError(f"ramp and warm-up must be 0 or more, got {self.ramp_s} and {self.warmup_s}")
+            raise ValueError(f"ramp and warm-up must be 0 or more and finite, got {self.ramp_s} and {self.warmup_s}")
         if self.warmup_s and self.duration_s is None:
             raise ValueError("a warm-up needs a duration: with a number of generations nothing is left out")
 

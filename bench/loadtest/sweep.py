@@ -119,10 +119,14 @@ def slo_limit(points: list[dict]) -> str:
     """Where a mode's limit lies against the points swept (a mode stops at its first miss):
     "found" (a point missed the SLO, and the one before met it), "below" (its first point
     missed: the limit is under the fewest sessions tried, not 0), "beyond" (its last point
-    met it: the limit is that many sessions or more)."""
-    if points and points[-1]["meets_slo"]:
+    met it: the limit is that many sessions or more), "unknown" (its first point served
+    nothing: the server was gone). A last point that served nothing says nothing of the limit."""
+    judged = points[:-1] if points and points[-1]["generations"] == 0 else points
+    if not judged:
+        return "unknown"
+    if judged[-1]["meets_slo"]:
         return "beyond"
-    return "found" if any(p["meets_slo"] for p in points) else "below"
+    return "found" if any(p["meets_slo"] for p in judged) else "below"
 
 
 def _line(mode: str, point: dict) -> str:
@@ -139,8 +143,9 @@ def _line(mode: str, point: dict) -> str:
 def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: ClientWorkers | None = None,
           log: Callable[[str], None] = print) -> tuple[dict[str, list[dict]], str | None]:
     """Points per mode (`spec` holds everything but the session kinds and count), and why the
-    sweep stopped early (None: it did not): INTERRUPTED, or a point where no generation
-    finished, as with a server gone (every later point would only wait out its time)."""
+    sweep stopped early (None: it did not): INTERRUPTED, a point where no generation
+    finished, as with a server gone (every later point would only wait out its time), or a
+    point that failed (the load generator's fault, or a worker process's)."""
     results: dict[str, list[dict]] = {}
     total = sum(len(cfg.counts(m)) for m in cfg.modes)
     done = 0

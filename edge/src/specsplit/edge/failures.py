@@ -5,6 +5,7 @@ import grpc
 
 from specsplit.protocol.errors import ProtocolError
 
+
 class StreamEnded(ConnectionError):
     """The server ended the call before the session's Done."""
 
@@ -24,7 +25,6 @@ class StreamStalled(Exception):
 
     def details(self) -> str:
         return str(self)
-
 
 
 # What `generate` raises when the server or the link failed the generation (retries spent),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -49,6 +49,14 @@ def load_tokens(path: Path) -> dict[str, str]:
     if not tokens:
         raise ValueError(f"{path} holds no tokens")
     return tokens
+
+
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The token of a call's `authorization: Bearer ...` metadata, or None without one."""
+    header = dict(metadata or ()).get("authorization", "")
+    if not isinstance(header, str) or not header.startswith("Bearer "):
+        return None
+    return header.removeprefix("Bearer ").strip()
 
 
 FIRST_MESSAGE_WAIT_S = 5.0
@@ -92,11 +100,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         if handler_call_details.method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
-        header = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if not header.startswith("Bearer "):
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if token is None:
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata",
                          self._on_refusal)
-        if self.device_for(header.removeprefix("Bearer ").strip()) is None:
+        if self.device_for(token) is None:
             return _deny(grpc.StatusCode.PERMISSION_DENIED, "this token belongs to no registered device",
                          self._on_refusal)
         return await continuation(handler_call_details)

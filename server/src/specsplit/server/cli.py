@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "of 16 or more printable ASCII characters; lines starting with # are comments)")
     s.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="json: one JSON object per line, with the session id as a field")
-    s.set_defaults(func=_serve)
+    s.set_defaults(func=_serve, command_parser=s)
 
     e = sub.add_parser("export-draft", help="export a draft model to ONNX with KV cache for the edge",
                        parents=[after])

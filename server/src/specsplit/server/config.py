@@ -35,8 +35,9 @@ def _check_ranges(cfg: object, at_least_one: tuple[str, ...] = (), not_negative:
                                (not_negative, lambda v: 0 <= v < math.inf, "must be 0 or more"),
                                (positive, lambda v: 0 < v < math.inf, "must be above 0")):
         for name in names:
-            if not ok(getattr(cfg, name)):
-                raise ConfigError(name, problem, getattr(cfg, name))
+            value = getattr(cfg, name)
+            if not ok(value):
+                raise ConfigError(name, "must be finite" if value == math.inf else problem, value)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class ServeConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", "must be 0 (any free port) to 65535", self.port)
         if self.max_context is not None and not self.max_context >= 1:
-            raise ConfigError("max_context", "must be at least 1 (or None: the target's)", self.max_context)
+            raise ConfigError("max_context", "must be at least 1 (or unset: the target's)", self.max_context)
         if self.max_message_bytes > MAX_MESSAGE_BYTES:  # gRPC's limits are C ints
             raise ConfigError("max_message_bytes", f"must be at most {MAX_MESSAGE_BYTES}", self.max_message_bytes)
         if self.metrics_host is not None and self.metrics_port is None:

@@ -14,8 +14,8 @@ from prometheus_client import (
 
 from specsplit.common.address import bracketed
 from specsplit.protocol import errors
-from specsplit.server.listeners import BindError
 from specsplit.protocol.messages import DoneReason
+from specsplit.server.listeners import BindError
 
 # Label values known in advance start at 0, so that rate() and absence alerts see a series
 # from the start rather than none until the first event.

@@ -79,7 +79,7 @@ def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeCo
             raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
     for name in POSITIVE:
         if not 0 < getattr(args, name) < math.inf:
-            raise ValueError(f"{_flag(name)} must be above 0, got {getattr(args, name)}")
+            raise ValueError(f"{_flag(name)} must be above 0 and finite, got {getattr(args, name)}")
     static = resolve_engine(args.engine, args.device) == "static"
     if static and not args.static_max_len >= MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")

@@ -18,7 +18,7 @@ from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Close, Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
-from specsplit.server.auth import BearerTokenInterceptor
+from specsplit.server.auth import BearerTokenInterceptor, bearer_token
 from specsplit.server.config import SchedulerConfig, ServeConfig
 from specsplit.server.engine import Engine
 from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
@@ -220,10 +220,8 @@ class SpecSplitService:
 
     def _device(self, context: grpc.aio.ServicerContext) -> str | None:
         """The device whose token the call carries (auth checked it), where tokens are asked."""
-        if self.cfg.tokens is None:
-            return None
-        header = dict(context.invocation_metadata() or ()).get("authorization", "")
-        return self.cfg.tokens.get(header.removeprefix("Bearer ").strip())
+        token = None if self.cfg.tokens is None else bearer_token(context.invocation_metadata())
+        return None if token is None else self.cfg.tokens.get(token)
 
     def _client_failed(self, peer: str, status: str, what: str, session: str | None = None,
                        device: str | None = None) -> None:
