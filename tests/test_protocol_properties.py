@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol_sim import VOCAB, Network, reference
+from specsplit.protocol.messages import Verdict
 
 ACTIONS = ["draft", "draft", "draft", "send", "branch", "up", "down", "verify", "reconnect"]
 
@@ -87,3 +88,52 @@ def test_a_perfect_draft_is_always_accepted(prompt, window, salt) -> None:
     net.finish()
     assert net.edge.generated == reference(prompt, 20, net.max_context)
     assert net.session is not None and net.session.drafts_dropped == 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prompt=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
+    window=st.integers(1, 8),
+    salt=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_drafts_the_server_lost_are_sent_again(prompt, window, salt, data) -> None:
+    """Whatever a random schedule left in flight or dropped (reconnects, stale chunks, wrong
+    branches), a fair schedule after it puts the edge's drafts to use again: with a perfect
+    draft, the server soon verifies drafts in every pass instead of stepping alone. An edge
+    that lost track of what the server lost (neither starting again from the committed point
+    at a reconnect nor resending what a verdict shows missing) would leave it stepping alone to
+    the end, as lossless as ever: the committed tokens cannot show it."""
+    net = Network(prompt, 40, window, 1.0, salt, max_context=128)
+    steps = data.draw(st.integers(0, 120), label="steps")
+    for _ in range(steps):
+        if net.edge.done is not None:
+            return
+        action = data.draw(st.sampled_from(ACTIONS))
+        if action == "draft":
+            net.draft()
+        elif action == "send":
+            net.send(data.draw(st.integers(1, 5), label="chunk"))
+        elif action == "branch":
+            net.branch(data.draw(st.integers(0, 7), label="offset"), 1, right=False)
+        elif action == "up":
+            net.deliver_up()
+        elif action == "down":
+            net.deliver_down()
+        elif action == "verify":
+            net.verify(data.draw(st.integers(0, 6), label="budget"))
+        elif net.reconnects < 3:
+            net.reconnect()
+    alone = 0  # fair rounds whose pass verified no draft: the server stepped alone
+    while net.edge.done is None:
+        net.draft()
+        net.send(4)
+        while net.up:
+            net.deliver_up()
+        sent = len(net.down)
+        net.verify(4)
+        alone += any(isinstance(m, Verdict) and m.proposed == 0 for m in list(net.down)[sent:])
+        while net.down and net.edge.done is None:
+            net.deliver_down()
+    assert alone <= 2
+    assert net.edge.generated == reference(prompt, 40, net.max_context)
