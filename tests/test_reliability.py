@@ -308,9 +308,10 @@ def test_tls_mutual_tls_and_bearer_tokens(tiny, server, tmp_path, capsys, monkey
         assert re.search(r"call refused: PERMISSION_DENIED: this token belongs to no registered device "
                          r"\(from ipv4:127\.0\.0\.1:\d+\)", (tmp_path / "s.log").read_text())
         assert "with mutual TLS and the tokens of 1 device (" in (tmp_path / "s.log").read_text()
-        # A session's line names its client and the device whose token it carried.
-        assert re.search(r"session \w+ from ipv4:127\.0\.0\.1:\d+, device pi-kitchen: done \(length\): 6 new tokens",
-                         (tmp_path / "s.log").read_text())
+        # A session's lines name its client and the device whose token it carried.
+        assert re.search(r"session (\w+) from ipv4:127\.0\.0\.1:\d+, device pi-kitchen: opened \(async, a prompt of "
+                         r"\d+ tokens, up to 6 new\).*session \1 from ipv4:127\.0\.0\.1:\d+, device pi-kitchen: done "
+                         r"\(length\): 6 new tokens", (tmp_path / "s.log").read_text(), re.S)
         # The health check (no token needed) reaches a TLS server with a client certificate.
         tls = ["--tls-ca", str(pki["ca"].with_suffix(".crt")), "--tls-cert", str(pki["client"].with_suffix(".crt")),
                "--tls-key", str(pki["client"].with_suffix(".key"))]

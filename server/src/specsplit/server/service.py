@@ -182,6 +182,11 @@ class SpecSplitService:
                     session = item.session_id
                     if conn.session is not None:
                         opened_len, resumed = conn.session.floor, conn.session.floor - conn.session.prompt_len
+                        req = conn.session.request
+                        log.info("session %s from %s: opened (%s, a prompt of %d tokens, up to %d new%s)", session,
+                                 _client(peer, device), req.draft_mode.name.lower(), len(req.prompt_ids),
+                                 req.max_new_tokens, f", resumed after {resumed}" if resumed else "",
+                                 extra={"session": session, "device": device})
                     self.metrics.sessions_active.inc()
                 elif isinstance(item, Verdict):
                     self.metrics.tokens_committed.inc(len(item.tokens))
