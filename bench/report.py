@@ -12,7 +12,7 @@ MODE_ORDER = ["none", "sync", "async-no-branches", "async", "draft", "hf-assiste
 # Columns without meaning for the draft alone and HF assisted generation.
 ANCHOR_BLANKS = ("itl_p50_ms", "itl_p99_ms", "acceptance_rate", "acceptance_per_position", "mean_accepted",
                  "drafts_wasted", "verifications", "server_idle_fraction", "bytes_up_per_token",
-                 "bytes_down_per_token")
+                 "bytes_down_per_token", "wire_bytes_up_per_token", "wire_bytes_down_per_token")
 
 
 def _mode_rank(mode: str) -> tuple[int, int]:
@@ -80,10 +80,20 @@ def summarize(runs: list[dict]) -> list[dict]:
             "server_idle_fraction": _mean(r.get("server_idle_fraction") for r in g),
             "bytes_up_per_token": sum(r.get("bytes_up", 0) for r in g) / tokens if tokens else 0.0,
             "bytes_down_per_token": sum(r.get("bytes_down", 0) for r in g) / tokens if tokens else 0.0,
+            "wire_bytes_up_per_token": _per_token(g, "wire_bytes_up", tokens),
+            "wire_bytes_down_per_token": _per_token(g, "wire_bytes_down", tokens),
             "identical": all(identical) if identical else None,
         })
     out.sort(key=lambda s: (s["rtt_ms"] is None, s["rtt_ms"] or 0, _mode_rank(s["mode"])))
     return out
+
+
+def _per_token(runs: list[dict], key: str, tokens: int) -> float | None:
+    """`key` summed over the runs, per token; None where a run lacks it (runs from before it
+    was counted, and the anchors, which use no link)."""
+    if not tokens or any(key not in r for r in runs):
+        return None
+    return sum(r[key] for r in runs) / tokens
 
 
 def _fmt(x, spec: str = ".2f") -> str:  # type: ignore[no-untyped-def]
@@ -153,13 +163,14 @@ def render_markdown(result: dict) -> str:
         "the gap between consecutive committed tokens (0 within one verdict). Per position: accepted drafts "
         "over accepted drafts and rejections; wasted: drafted tokens thrown away by rollbacks; verifs: "
         "verdicts; server idle: the share of the generation's time the target did not work for it; B up/down: "
-        "bytes of the gRPC messages per generated token (protobuf and gRPC's 5-byte prefix; HTTP/2 and TCP "
-        "framing come on top); identical: the output equals `none`'s. – where a figure does not apply (`none` "
+        "bytes of the gRPC messages per generated token (protobuf and gRPC's 5-byte prefix); wire B: what "
+        "crossed the link per generated token, HTTP/2 framing, pings and window updates too (TCP/IP headers "
+        "on top); identical: the output equals `none`'s. – where a figure does not apply (`none` "
         "drafts nothing; the draft alone and HF assisted generation have no server and no verdicts).",
         "",
         "| RTT ms | mode | prompts | tok/s | speedup | TTFT ms | ITL p50/p99 ms | acceptance | per position | accepted/verif | wasted | verifs "
-        "| server idle | B up/tok | B down/tok | identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| server idle | B up/tok | B down/tok | wire B up/tok | wire B down/tok | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["summary"]:
         if r["rtt_ms"] is None:  # no server, no network, no verdicts: their zeros would read as measured
@@ -171,7 +182,8 @@ def render_markdown(result: dict) -> str:
             f"| {_fmt(r.get('acceptance_per_position'), '.0%')} "
             f"| {_fmt(r['mean_accepted'])} | {_fmt(r['drafts_wasted'], 'd')} | {_fmt(r['verifications'], 'd')} "
             f"| {_fmt(r['server_idle_fraction'], '.0%')} | {_fmt(r['bytes_up_per_token'], '.1f')} "
-            f"| {_fmt(r['bytes_down_per_token'], '.1f')} | {_fmt(r['identical'])} |"
+            f"| {_fmt(r['bytes_down_per_token'], '.1f')} | {_fmt(r.get('wire_bytes_up_per_token'), '.1f')} "
+            f"| {_fmt(r.get('wire_bytes_down_per_token'), '.1f')} | {_fmt(r['identical'])} |"
         )
     goal = [r for r in result["summary"] if r["rtt_ms"] == 50]
     if goal:

@@ -196,9 +196,13 @@ def main(argv: list[str] | None = None) -> int:
                             # A (prompt, RTT) group is measured whole, so its modes stay side by side in one
                             # server's lifetime even when an earlier invocation measured part of it.
                             for name, edge_mode, extra in modes:
+                                up, down = proxy.proxy.bytes_up, proxy.proxy.bytes_down
                                 stats = run_edge(proxy.address, str(pair.draft_dir), pr["text"], edge_mode, edge_cores,
                                                  ["--max-new-tokens", n, *extra])
-                                record(name, rtt, pr["id"], stats)
+                                # What crossed the link for the run: HTTP/2 and TLS framing, pings and
+                                # window updates too, besides the messages (stats' bytes_up/down).
+                                record(name, rtt, pr["id"], {**stats, "wire_bytes_up": proxy.proxy.bytes_up - up,
+                                                             "wire_bytes_down": proxy.proxy.bytes_down - down})
                     finally:
                         proxy.close()
     except KeyboardInterrupt:

@@ -51,3 +51,11 @@ def test_none_drafts_nothing_and_a_row_without_a_comparison_is_no_evidence() -> 
     md = render_markdown({**committed, "runs": runs, "summary": list(rows.values())})
     assert "| 50 | none | 1 | 1.00 | 1.00x | 0 | 0/0 | – | – | – |" in md  # its acceptance columns blank
     assert "- every output identical to none: NO" in md
+
+
+def test_wire_bytes_are_per_token_where_every_run_counted_them() -> None:
+    counted = [{**_run(p, 3, 1), "wire_bytes_up": 400, "wire_bytes_down": 800} for p in "ab"]
+    (row,) = summarize(counted)
+    assert (row["wire_bytes_up_per_token"], row["wire_bytes_down_per_token"]) == (50.0, 100.0)  # 16 tokens
+    (older,) = summarize([counted[0], _run("b", 3, 1)])  # a run from before they were counted
+    assert older["wire_bytes_up_per_token"] is None
