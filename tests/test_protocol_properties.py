@@ -13,7 +13,13 @@ ACTIONS = ["draft", "draft", "draft", "send", "branch", "up", "down", "verify", 
 def play(net: Network, data: st.DataObject) -> None:
     """Random interleavings of the edge's, the network's and the server's actions, then a fair
     schedule to the end of the generation."""
-    steps = data.draw(st.integers(0, 200), label="steps")
+    random_steps(net, data)
+    net.finish()
+
+
+def random_steps(net: Network, data: st.DataObject, most: int = 200) -> None:
+    """Up to `most` of the edge's, the network's and the server's actions, in a random order."""
+    steps = data.draw(st.integers(0, most), label="steps")
     for _ in range(steps):
         if net.edge.done is not None:
             break
@@ -34,7 +40,6 @@ def play(net: Network, data: st.DataObject) -> None:
         elif net.reconnects < 3:
             net.reconnect()
         net.check_candidates_came_from_the_edge()
-    net.finish()
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,25 +110,7 @@ def test_drafts_the_server_lost_are_sent_again(prompt, window, salt, data) -> No
     at a reconnect nor resending what a verdict shows missing) would leave it stepping alone to
     the end, as lossless as ever: the committed tokens cannot show it."""
     net = Network(prompt, 40, window, 1.0, salt, max_context=128)
-    steps = data.draw(st.integers(0, 120), label="steps")
-    for _ in range(steps):
-        if net.edge.done is not None:
-            return
-        action = data.draw(st.sampled_from(ACTIONS))
-        if action == "draft":
-            net.draft()
-        elif action == "send":
-            net.send(data.draw(st.integers(1, 5), label="chunk"))
-        elif action == "branch":
-            net.branch(data.draw(st.integers(0, 7), label="offset"), 1, right=False)
-        elif action == "up":
-            net.deliver_up()
-        elif action == "down":
-            net.deliver_down()
-        elif action == "verify":
-            net.verify(data.draw(st.integers(0, 6), label="budget"))
-        elif net.reconnects < 3:
-            net.reconnect()
+    random_steps(net, data, most=120)
     alone = 0  # fair rounds whose pass verified no draft: the server stepped alone
     while net.edge.done is None:
         net.draft()
