@@ -114,6 +114,26 @@ def test_ramped_sessions_arrive_one_after_another_and_are_measured_after_the_war
     assert record.tokens_in_window == record.tokens == 4
 
 
+def test_the_server_figures_cover_the_measured_window(tiny, running, references) -> None:
+    """They came from the metrics at the point's start and end: its last generations, run on
+    past the window with ever fewer sessions, lowered the batch sizes and pass rates given."""
+    server, prompts = running[1].server, running[1].prompts
+    settings = LoadSettings(max_new_tokens=MAX_NEW, window=8, duration_s=1.0, warmup_s=0.3)
+    spec = LoadSpec(server.endpoint, prompts.ids, references, prompts.fingerprint, running[1].opened.vocab_size,
+                    settings)
+    workers = ClientWorkers(2, ())
+    try:
+        for by in (None, workers):  # this process's sessions, and worker processes'
+            point = run_point(server, spec, ["sim", "none"], by)
+            assert point["server"]["covers"] == "the measured window"
+            assert point["server"]["passes_per_s"] == pytest.approx(point["server"]["passes"] / 1.0)  # over 1 s
+    finally:
+        workers.close()
+    counted = run_point(server, replace(spec, settings=LoadSettings(max_new_tokens=4, duration_s=None,
+                                                                    generations=1)), ["none"])
+    assert counted["server"]["covers"] == "the whole point"
+
+
 def test_load_generator_processes_start_a_points_sessions_at_one_moment(tiny, running, references) -> None:
     """Each process used to start its share as it received it: the windows were staggered, and
     the late processes' sessions ran their last seconds beside a server the others had left."""

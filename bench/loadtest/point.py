@@ -1,15 +1,17 @@
 """One point of the sweep: a set of sessions against the server, with the server's
-metrics scraped before and after and its KV memory and RSS sampled during the run (where
-the load test can see them: a server it did not start has no RSS here, and one whose
-metrics it is not given has no server figures)."""
+metrics scraped as its measured window opens and closes (before and after the whole point,
+for a point of counted generations, which has no window) and its KV memory and RSS sampled
+during the run (where the load test can see them: a server it did not start has no RSS
+here, and one whose metrics it is not given has no server figures)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 from loadtest.endpoint import ServerEndpoint
 from loadtest.scrape import UNREADABLE, Snapshot, scrape, value
-from loadtest.sessions import LoadRun, LoadSpec, run_sessions
+from loadtest.sessions import LoadRun, LoadSpec, measured_window, run_sessions
 from loadtest.summary import summarize
 from loadtest.workers import ClientWorkers
 from specsplit.common.aio import within
@@ -80,6 +82,11 @@ def _merge(runs: list[LoadRun]) -> LoadRun:
     )
 
 
+async def _snapshot_at(server: ServerHandle, when: float) -> Snapshot | None:
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
+    return await asyncio.to_thread(server.snapshot)
+
+
 async def measure_point(server: ServerHandle, spec: LoadSpec, kinds: list[str],
                         workers: ClientWorkers | None = None) -> dict:
     """Run one session per entry of `kinds` (session i has kind kinds[i]); the point's summary."""
@@ -87,24 +94,41 @@ async def measure_point(server: ServerHandle, spec: LoadSpec, kinds: list[str],
     before = await asyncio.to_thread(server.snapshot)
     peaks, stop = Peaks(), asyncio.Event()
     sampler = asyncio.create_task(_sample(server, peaks, stop))
+    loop = asyncio.get_running_loop()
+    window: list[asyncio.Task] = []  # the server's metrics as the measured window opens and closes
+
+    def scrape_the_window(started: float) -> None:  # told when the sessions start
+        opens, deadline = measured_window(spec.settings, started)
+        if deadline is not None:
+            window.extend(loop.create_task(_snapshot_at(server, when)) for when in (opens, deadline))
+
+    def on_start(started: float) -> None:  # from the workers' thread, or this one
+        loop.call_soon_threadsafe(scrape_the_window, started)
+
     try:
         if workers is None:
-            run = await run_sessions(spec, sessions)
+            run = await run_sessions(spec, sessions, on_start=on_start)
         else:
             try:
-                run = _merge(await asyncio.to_thread(workers.run, spec, sessions))
+                run = _merge(await asyncio.to_thread(workers.run, spec, sessions, on_start))
             except asyncio.CancelledError:  # Ctrl-C: asyncio.run would wait for the thread, and so for the point
                 workers.abort()
                 raise
+        opened, closed = await asyncio.gather(*window) if window else (None, None)
     finally:
         stop.set()
         await sampler
+        for task in window:
+            task.cancel()
     after = await asyncio.to_thread(server.snapshot)
+    span = None  # the time the server figures cover: the point's, unless its window's were read
+    if opened is not None and closed is not None:
+        before, after, span = opened, closed, spec.settings.duration_s
     if before is None or after is None:  # no counts over the point: none of its server figures
         before = after = {}
         peaks.failed_reads += 1
     point = summarize(run, spec, before, after, peaks.kv_bytes, peaks.rss_bytes,
-                      client_procs=len(workers) if workers else 1)
+                      client_procs=len(workers) if workers else 1, server_span_s=span)
     point["server"]["metrics"] = ("not read" if not server.metrics_url else
                                   f"{peaks.failed_reads} read(s) failed" if peaks.failed_reads else "read")
     return point

@@ -83,9 +83,16 @@ def _process_spread(points: list[dict]) -> list[str]:
 def _metrics_failures(points: list[dict]) -> list[str]:
     """Points whose server figures are missing or partial: reading the metrics failed."""
     lines = [f"- {p['sessions']} sessions: the server's metrics could not always be read ({p['server']['metrics']}); "
-             "its figures are left out where they needed them" for p in points
+             "its figures are left out where they needed them"
+             + (f", and cover {p['server']['covers']}" if "covers" in p["server"] else "") for p in points
              if p["server"].get("metrics", "read") not in ("read", "not read")]
     return [*lines, ""] if lines else []
+
+
+def _window_read(report: dict) -> bool:
+    """Whether the server figures cover the measured window (reports from before, and runs of
+    counted generations, read the metrics at the point's start and end)."""
+    return any(p["server"].get("covers") == "the measured window" for pts in report["results"].values() for p in pts)
 
 
 def _lag(server: dict) -> str:
@@ -199,12 +206,12 @@ def render_markdown(report: dict, name: str) -> str:
         "server verified no drafts)",
         "- loop lag: how late the server's event loop ran a timer due every 50 ms, mean / the histogram bucket its "
         "p99 lies under; every call, message and verdict waits about that long in the loop",
-        "- batch: mean sessions per target pass; pass: mean target pass time; KV: peak of the server's KV-cache gauge "
-        "(sampled every 0.5 s); client CPU: load generator CPU in cores (saturated: it, not the server, may be the "
-        "limit); these cover the whole point" + "".join(f", {part}" for part in (
-            "ramp and warm-up included" if ramp or warmup else "",
-            "with the generations that run on past its time, among ever fewer sessions" if s["duration_s"] is not None
-            else "") if part),
+        "- batch: mean sessions per target pass; pass: mean target pass time; loop lag: see above; these cover "
+        + ("the measured window (the server's metrics read as it opens and closes)" if _window_read(report)
+           else "the whole point")
+        + "; KV: peak of the server's KV-cache gauge (sampled every 0.5 s); client CPU: load generator CPU in cores "
+        "(saturated: it, not the server, may be the limit); these two cover the whole point"
+        + (", ramp and warm-up included" if ramp or warmup else ""),
         "",
         "## Summary",
         "",

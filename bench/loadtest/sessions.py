@@ -12,6 +12,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -232,22 +233,33 @@ def build_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], process: int
     return [_Session(spec, index, kind, process) for index, kind in sessions]
 
 
+def measured_window(load: LoadSettings, started: float) -> tuple[float, float | None]:
+    """(opens, deadline) of a point whose sessions start from `started` on: the window opens
+    after the ramp and warm-up and lasts the duration; with a number of generations instead,
+    every generation counts, whole, from the first start on (no deadline)."""
+    if load.duration_s is None:
+        return started, None
+    opens = started + load.ramp_s + load.warmup_s
+    return opens, opens + load.duration_s
+
+
 async def run_built(spec: LoadSpec, edges: list[_Session], total: int, started: float) -> LoadRun:
     """Run built sessions concurrently from `started` (a time.monotonic() reading, now or
     soon) until the spec's duration or count is done. Session i of `total` starts i / total
     of the way through the ramp."""
     load = spec.settings
     cpu0 = time.process_time()
-    if load.duration_s is None:  # every generation counts, whole, from the first start on
-        opens, deadline = started, None
-    else:
-        opens = started + load.ramp_s + load.warmup_s
-        deadline = opens + load.duration_s
+    opens, deadline = measured_window(load, started)
     await asyncio.gather(*(e.run(started + load.ramp_s * e.log.index / total, opens, deadline) for e in edges))
     return LoadRun([e.log for e in edges], started, deadline, time.monotonic(), time.process_time() - cpu0)
 
 
-async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], total: int | None = None) -> LoadRun:
-    """Build the sessions (index, kind) and run them from now on (`run_built`)."""
+async def run_sessions(spec: LoadSpec, sessions: list[tuple[int, str]], total: int | None = None,
+                       on_start: Callable[[float], None] | None = None) -> LoadRun:
+    """Build the sessions (index, kind) and run them from now on (`run_built`); `on_start` is
+    told when they start."""
     edges = build_sessions(spec, sessions)
-    return await run_built(spec, edges, total or len(sessions), time.monotonic())
+    started = time.monotonic()
+    if on_start is not None:
+        on_start(started)
+    return await run_built(spec, edges, total or len(sessions), started)

@@ -123,8 +123,9 @@ def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float | N
 
 
 def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, kv_peak: float | None,
-              rss_peak: float | None,
-              client_procs: int = 1) -> dict:
+              rss_peak: float | None, client_procs: int = 1, server_span_s: float | None = None) -> dict:
+    """The point's figures; the server's from the metrics `before` and `after`, taken
+    `server_span_s` apart (None: at the point's start and end)."""
     sessions = run.sessions
     wall = run.finished - run.started
     # Server speed over the measured window only: the last generations run past the
@@ -156,7 +157,8 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
         "acceptance": {kind: _acceptance(sessions, kind, spec) for kind in kinds if kind != "none"},
         "mismatched_outputs": sum(not r.matches_reference for r in records),
         "errors": {"total": sum(errors.values()), "by_code": dict(errors)},
-        "server": _server(before, after, wall, kv_peak, rss_peak),
+        "server": {**_server(before, after, server_span_s or wall, kv_peak, rss_peak),
+                   "covers": "the measured window" if server_span_s else "the whole point"},
         "client": {"procs": client_procs, "cores": cores, "cpu_cores_busy": busy,
                    "saturated": busy >= SATURATED * cores},
         "by_process": by_process(sessions, client_procs),

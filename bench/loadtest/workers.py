@@ -15,7 +15,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 
 from loadtest.sessions import LoadRun, LoadSpec, build_sessions, run_built
@@ -70,10 +70,12 @@ class ClientWorkers:
             return conn.recv()
         raise RuntimeError(f"load-generator process {i} died (exit code {proc.exitcode})")
 
-    def run(self, spec: LoadSpec, sessions: list[tuple[int, str]]) -> list[LoadRun]:
+    def run(self, spec: LoadSpec, sessions: list[tuple[int, str]],
+            on_start: Callable[[float], None] | None = None) -> list[LoadRun]:
         """Blocking: deal the sessions round-robin to the workers, start them all at once
-        when all are built, and wait for all of them. Raises RuntimeError, the point called
-        off in every worker, where one could not build its sessions or died."""
+        when all are built (`on_start` is told when), and wait for all of them. Raises
+        RuntimeError, the point called off in every worker, where one could not build its
+        sessions or died."""
         busy = []
         for i, conn in enumerate(self._conns):
             part = sessions[i :: len(self._conns)]
@@ -96,6 +98,8 @@ class ClientWorkers:
         started = time.monotonic() + START_LEAD_S
         for i in busy:
             self._conns[i].send(started)
+        if on_start is not None:
+            on_start(started)
         return [self._answer(i) for i in busy]  # type: ignore[misc]
 
     def abort(self) -> None:
