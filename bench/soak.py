@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ import psutil
 from cli_types import at_least, out_dir, report_name
 from loadtest.rerun import rerun_command
 from orchestrate import machine, running_server, server_and_edge_cores
+from report_files import save_report
 from tiny_models import build_tiny_pair
 
 from specsplit.common.help_format import DefaultsHelpFormatter
@@ -107,9 +107,6 @@ def main() -> int:
                        "their stream between generations, half start a call for each)"}
     report["machine"] = machine()
     report["rerun"] = rerun_command("bench/soak.py", sys.argv[1:], {"--out-dir": "OUT_DIR"})
-    out = args.out_dir / f"{args.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
     note = (
         f"# Soak: {args.sessions} concurrent sessions for {args.minutes:g} min\n\n"
         f"- machine: {report['machine']['cpu']}, {report['machine']['cores']} cores\n- {report['setup']}\n- generations completed: {result['generations']}, tokens: {result['tokens']}\n"
@@ -117,8 +114,7 @@ def main() -> int:
         f"- server RSS {judged_from} {report['rss_after_warmup_mb']:.0f} MB, at the end "
         f"{report['rss_end_mb']:.0f} MB ({growth:+.1%}; margin {args.margin:.0%})\n- result: "
         f"{'PASS' if passed else 'FAIL'}\n\nRerun: `{report['rerun']}`.\n")
-    out.with_suffix(".md").write_text(note)
-    print(note)
+    save_report(args.out_dir, args.name, report, note)
     return 0 if passed else 1
 
 

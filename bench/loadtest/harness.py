@@ -124,8 +124,7 @@ def started(opts: RunOptions, cfg: SweepConfig, log: Callable[[str], None] = pri
                         opened = warm_up(handle.endpoint, prompts)
                     yield Running(handle, prompts, opened, models.draft_dir, setup, server_log)
         except BaseException:
-            if server_log.is_file():
-                log(f"server log, last lines:\n{server_log.read_text()[-LOG_TAIL:]}")
+            _log_tail(server_log, log)
             raise
 
 
@@ -203,8 +202,12 @@ def execute(opts: RunOptions, cfg: SweepConfig, settings: LoadSettings, log: Cal
     """A whole run: start (or attach), sweep, stop; the report."""
     with started(opts, cfg, log) as running:
         report = sweep_and_report(running, opts, cfg, settings, log)
-        log_file = running.server_log
-        if report["stopped"] not in (None, INTERRUPTED) and log_file is not None and log_file.is_file():
+        if report["stopped"] not in (None, INTERRUPTED) and running.server_log is not None:
             # A point that failed may be the server's doing; without --server-log its log goes with the run.
-            log(f"server log, last lines:\n{log_file.read_text()[-LOG_TAIL:]}")
+            _log_tail(running.server_log, log)
         return report
+
+
+def _log_tail(server_log: Path, log: Callable[[str], None]) -> None:
+    if server_log.is_file():
+        log(f"server log, last lines:\n{server_log.read_text()[-LOG_TAIL:]}")

@@ -91,44 +91,45 @@ async def measure_point(server: ServerHandle, spec: LoadSpec, kinds: list[str],
                         workers: ClientWorkers | None = None) -> dict:
     """Run one session per entry of `kinds` (session i has kind kinds[i]); the point's summary."""
     sessions = list(enumerate(kinds))
-    before = await asyncio.to_thread(server.snapshot)
+    window_s = spec.settings.duration_s  # None: counted generations, no measured window
+    # Over the measured window, its server figures are read as it opens and closes (told when
+    # the sessions start); without one, at the point's start and end.
+    before = None if window_s is not None else await asyncio.to_thread(server.snapshot)
     peaks, stop = Peaks(), asyncio.Event()
     sampler = asyncio.create_task(_sample(server, peaks, stop))
     loop = asyncio.get_running_loop()
     window: list[asyncio.Task] = []  # the server's metrics as the measured window opens and closes
 
-    def scrape_the_window(started: float) -> None:  # told when the sessions start
-        opens, deadline = measured_window(spec.settings, started)
-        if deadline is not None:
-            window.extend(loop.create_task(_snapshot_at(server, when)) for when in (opens, deadline))
+    def read_the_window(*edges: float) -> None:
+        window.extend(loop.create_task(_snapshot_at(server, when)) for when in edges)
 
     def on_start(started: float) -> None:  # from the workers' thread, or this one
-        loop.call_soon_threadsafe(scrape_the_window, started)
+        loop.call_soon_threadsafe(read_the_window, *measured_window(spec.settings, started))
 
+    told = on_start if window_s is not None else None
     try:
         if workers is None:
-            run = await run_sessions(spec, sessions, on_start=on_start)
+            run = await run_sessions(spec, sessions, on_start=told)
         else:
             try:
-                run = _merge(await asyncio.to_thread(workers.run, spec, sessions, on_start))
+                run = _merge(await asyncio.to_thread(workers.run, spec, sessions, told))
             except asyncio.CancelledError:  # Ctrl-C: asyncio.run would wait for the thread, and so for the point
                 workers.abort()
                 raise
-        opened, closed = await asyncio.gather(*window) if window else (None, None)
+        if window_s is not None:
+            before, after = await asyncio.gather(*window)
     finally:
         stop.set()
         await sampler
         for task in window:
             task.cancel()
-    after = await asyncio.to_thread(server.snapshot)
-    span = None  # the time the server figures cover: the point's, unless its window's were read
-    if opened is not None and closed is not None:
-        before, after, span = opened, closed, spec.settings.duration_s
+    if window_s is None:
+        after = await asyncio.to_thread(server.snapshot)
     if before is None or after is None:  # no counts over the point: none of its server figures
         before = after = {}
         peaks.failed_reads += 1
     point = summarize(run, spec, before, after, peaks.kv_bytes, peaks.rss_bytes,
-                      client_procs=len(workers) if workers else 1, server_span_s=span)
+                      client_procs=len(workers) if workers else 1, server_span_s=window_s)
     point["server"]["metrics"] = ("not read" if not server.metrics_url else
                                   f"{peaks.failed_reads} read(s) failed" if peaks.failed_reads else "read")
     return point

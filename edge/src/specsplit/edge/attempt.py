@@ -23,7 +23,7 @@ import numpy as np
 
 from specsplit.common.aio import within
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
-from specsplit.edge.config import MODES, EdgeConfig
+from specsplit.edge.config import MODES, ConnectOptions, EdgeConfig
 from specsplit.edge.drafter import BatchDrafter, BranchOffering, Drafter, TokenPicker
 from specsplit.edge.failures import OnCommitFailed, StreamEnded, StreamStalled
 from specsplit.edge.lookahead import adaptive_window
@@ -81,6 +81,7 @@ class Attempt:
         committed_ids: Sequence[int],
         on_commit: Callable[[list[int]], None] | None,
         record: Record | None = None,  # the generation's so far, where this is a retry's attempt
+        connect: ConnectOptions = ConnectOptions(),
     ) -> None:
         if cfg.mode != "none" and drafter is None:
             raise ValueError(f"mode {cfg.mode} needs a draft model")
@@ -116,8 +117,7 @@ class Attempt:
         # (position, token) -> the drafter's view of that draft (a branch's drafts sit beside the main line's)
         self._choices: dict[tuple[int, int], DraftChoice] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
-        self.stall_timeout_s: float | None = None
-        self.metadata: tuple[tuple[str, str], ...] = ()
+        self._connect = connect
         self._stream: GenerateStream | None = None
 
     def _send(self, msg) -> None:  # type: ignore[no-untyped-def]
@@ -127,10 +127,10 @@ class Attempt:
 
     async def _read_one(self, call):  # type: ignore[no-untyped-def]
         try:
-            msg = await within(call.read(), self.stall_timeout_s)
+            msg = await within(call.read(), self._connect.stall_timeout_s)
         except asyncio.TimeoutError:
             call.cancel()
-            raise StreamStalled(f"no message from the server for {self.stall_timeout_s} s") from None
+            raise StreamStalled(f"no message from the server for {self._connect.stall_timeout_s} s") from None
         if msg is grpc.aio.EOF:
             raise StreamEnded("the server ended the stream before Done")
         self.stats.bytes_down += msg.ByteSize() + GRPC_FRAME_BYTES
@@ -205,7 +205,7 @@ class Attempt:
         which a new call there would only get again, so the generation's retry (generate)
         decides, after its backoff or the pushback, on the stream's next server. A failure
         that was the answer to the Open comes again on the new call and is raised."""
-        fresh = stream.begin(self.metadata)
+        fresh = stream.begin(self._connect.metadata)
         while True:
             self._send(codec.open_to_pb(self.request))
             try:
@@ -214,7 +214,7 @@ class Attempt:
                 if fresh or (isinstance(exc, grpc.aio.AioRpcError) and exc.code() in SERVER_REFUSALS):
                     raise
                 stream.abort()
-                fresh = stream.begin(self.metadata)
+                fresh = stream.begin(self._connect.metadata)
                 continue
             if not isinstance(event, Opened):
                 raise ConnectionError(f"expected Opened first, got {type(event).__name__}")

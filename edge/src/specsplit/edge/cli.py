@@ -429,7 +429,7 @@ class StdoutFailed(Exception):
 
 
 def _hint(details: str, args: argparse.Namespace) -> str:
-    return tls_hint(details, tls=bool(args.tls or args.tls_ca or args.tls_cert), client_cert=bool(args.tls_cert),
+    return tls_hint(details, tls=args.connect.credentials is not None, client_cert=bool(args.tls_cert),
                     address_flag="--server")
 
 

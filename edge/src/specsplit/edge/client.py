@@ -80,16 +80,14 @@ async def generate(
             raise ValueError(f"{name} must be a str, got {value!r}")
     if isinstance(via, Sequence):
         connect.check_servers(len(via))
-    # A kept stream is the generation's from its first attempt to its last: another one
-    # taking it during a retry's backoff would leave the retry nothing to re-open on.
     backoff = connect.backoff_s
     servers = via.servers if isinstance(via, GenerateStream) else 1 if isinstance(via, grpc.aio.Channel) else len(via)
     record = Record(GenerationStats(mode=cfg.mode), resumed=len(committed))
+    # A kept stream is the generation's from its first attempt to its last: another one
+    # taking it during a retry's backoff would leave the retry nothing to re-open on.
     with via.carrying() if isinstance(via, GenerateStream) else contextlib.nullcontext():
         for attempt in range(connect.retries + 1):
-            gen = Attempt(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit, record)
-            gen.stall_timeout_s = connect.stall_timeout_s
-            gen.metadata = (("authorization", f"Bearer {connect.token}"),) if connect.token else ()
+            gen = Attempt(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit, record, connect)
             try:
                 if isinstance(via, GenerateStream):
                     result = await gen.run(via)

@@ -62,6 +62,11 @@ class ConnectOptions:
         if not _real(self.backoff_s) or not 0 <= self.backoff_s < math.inf:
             raise ConfigError("backoff_s", f"must be 0 or more, got {self.backoff_s!r}")
 
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What every call carries: the bearer token, where there is one."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
     def check_servers(self, servers: int) -> None:
         """ConfigError unless the attempts reach every one of `servers` failed over along."""
         if servers > self.retries + 1:

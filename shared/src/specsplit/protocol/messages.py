@@ -36,6 +36,7 @@ MAX_CHUNK = 64
 MAX_STOP_IDS = 64
 MAX_DIST_IDS = 256
 
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
