@@ -145,9 +145,9 @@ class EdgeSession:
         new = verdict.tokens
         switched = self._follow_branch(new)
         held = min(len(new), self._line.speculative)  # drafts the verdict's tokens stand on
-        diverged = self.committed_len + self._line.agreement(new)  # the first position it changes, if any
-        drafted_to = len(self._line)
+        start, drafted_to = self.committed_len, len(self._line)
         agree = self._line.commit(new)
+        diverged = start + agree  # the first position the verdict changed, if it changed one
         resync = switched
         if agree < len(new):
             resync = diverged if switched is None else switched  # a switch comes first
