@@ -16,7 +16,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specsplit.server.engine import TargetEngine, VerifyItem
 from specsplit.server.loading import LoadedModel, cpu_has_fast_bf16, load_model
-from specsplit.server.row_invariant import ATTENTION, PairedRowLinear, make_rows_invariant, row_invariant_attention
+from specsplit.server.row_invariant import ATTENTION, RowInvariantLinear, make_rows_invariant, row_invariant_attention
 
 pytestmark = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16; serving stays in fp32 there")
 
@@ -75,16 +75,40 @@ def test_pytorch_default_bf16_rows_do_depend_on_the_pass() -> None:
     assert not all(_compare(model))
 
 
-def test_paired_row_linear_equals_the_two_row_kernel() -> None:
+def test_row_invariant_linear_equals_the_two_row_kernel() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 384).to(torch.bfloat16)
     x = torch.randn(5, 256, dtype=torch.bfloat16)
-    paired = PairedRowLinear(linear)
+    wrapped = RowInvariantLinear(linear)
     with torch.inference_mode():
         whole = linear(x)
         for i in range(5):
-            assert torch.equal(paired(x[i : i + 1]), whole[i : i + 1])
-        assert paired(x[None, 2:3]).shape == (1, 1, 384)
+            assert torch.equal(wrapped(x[i : i + 1]), whole[i : i + 1])
+        assert wrapped(x[None, 2:3]).shape == (1, 1, 384)
+
+
+# Row counts of one product: a prompt's prefill or a batch of several sessions' drafts holds
+# more than INVARIANT_ROWS; 65 leaves a lone row in the last piece.
+ROW_COUNTS = (1, 2, 9, 32, 33, 36, 45, 57, 64, 65, 80)
+
+
+def _rows_by_count(linear: torch.nn.Module, x: torch.Tensor) -> list[bool]:
+    """Per row count, whether every row of a product over that many rows has the bits it has
+    in a two-row product."""
+    with torch.inference_mode():
+        pairs = torch.cat([linear(x[i : i + 2]) for i in range(0, len(x), 2)])
+        return [torch.equal(linear(x[None, :n])[0], pairs[:n]) for n in ROW_COUNTS]
+
+
+def test_row_invariant_linear_over_many_rows() -> None:
+    """The default target's down projection (8960 inputs): PyTorch's kernel sums some row
+    counts past 32 in another order (the control); in pieces of at most 32 rows, every count
+    gives the bits of two rows."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8960, 1536, bias=False).to(torch.bfloat16)
+    x = torch.randn(max(ROW_COUNTS) + 1, 8960, dtype=torch.bfloat16)
+    assert all(_rows_by_count(RowInvariantLinear(linear), x))
+    assert not all(_rows_by_count(linear, x)[ROW_COUNTS.index(33):])
 
 
 def _padded_cases() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
@@ -197,10 +221,10 @@ def test_loading_bf16_on_cpu_makes_rows_invariant(tiny) -> None:
     """The server loads through load_model: bf16 on CPU must come out row-invariant, fp32 untouched."""
     bf16 = load_model(str(tiny.target_dir), dtype="bf16").model
     assert bf16.config._attn_implementation == ATTENTION
-    assert any(isinstance(m, PairedRowLinear) for m in bf16.modules())
+    assert any(isinstance(m, RowInvariantLinear) for m in bf16.modules())
     fp32 = load_model(str(tiny.target_dir), dtype="fp32").model
     assert fp32.config._attn_implementation != ATTENTION
-    assert not any(isinstance(m, PairedRowLinear) for m in fp32.modules())
+    assert not any(isinstance(m, RowInvariantLinear) for m in fp32.modules())
 
 
 def _in_line(engine: TargetEngine, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:

@@ -8,7 +8,12 @@ that, and both depend only on the pass's shape:
 
 - a linear layer over a single row takes a vector kernel, over two or more a matrix kernel,
   and the two sum in different orders. The matrix kernel gives a row the same bits whether
-  its pass holds 2 rows or 16, at any position among them;
+  its product holds 2 rows or 32, at any position among them, but past 32 rows it picks its
+  blocking by the row count, and rows come out other bits at some counts and not at others
+  (on the default target, on an AVX-512 CPU: the 8960-wide down projection from 33 rows on,
+  the gate, up and vocabulary projections from 33 or 37; a batch of four sessions' 9 tokens
+  moved a logit by a quarter). A pass of a long prompt, or of several sessions' drafts,
+  holds more rows than that;
 - scaled-dot-product attention's CPU kernel splits its queries into blocks by the pass's
   size. The eager path (a matmul, a softmax in fp32, a matmul) gives every query row the
   same bits, and masked keys after a row's own cost nothing, but masked keys before them
@@ -16,8 +21,10 @@ that, and both depend only on the pass's shape:
   in the vector lanes of the softmax's sum and of the product with the values (3 of 170
   random cases came out other bits).
 
-So a lone row goes through every linear as two copies of itself (two rows cost what one
-does: the weights are read once either way), and attention is the model's own eager
+So every linear takes its rows INVARIANT_ROWS at a time, a lone row as two copies of itself
+(two rows cost what one does: the weights are read once either way); a pass over more rows
+reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
+pay for (a 44-token prefill of the default target: 616 ms against 469 on one core). Attention is the model's own eager
 attention, run per batch row from the first key that row can see. Shown
 bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by
 `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its divergence check:
@@ -38,18 +45,29 @@ from specsplit.server.linear_swap import replace_linears
 ATTENTION = "specsplit_row_invariant"
 
 
-class PairedRowLinear(nn.Module):
-    """Wraps a bf16 nn.Linear so that a one-row product goes through as two copies of the row."""
+# The most rows one matrix product takes: up to here the kernel sums every row in one order.
+INVARIANT_ROWS = 32
+
+
+class RowInvariantLinear(nn.Module):
+    """Wraps a bf16 nn.Linear so that its products take at most INVARIANT_ROWS rows at a time
+    and at least two (a lone row goes through as two copies of itself)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.linear = linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if 1 < rows <= INVARIANT_ROWS:
             return self.linear(x)
-        row = x.reshape(1, -1)
-        return self.linear(torch.cat((row, row)))[:1].reshape(*x.shape[:-1], self.linear.out_features)
+        out = torch.cat([self._product(piece) for piece in x.reshape(rows, -1).split(INVARIANT_ROWS)])
+        return out.reshape(*x.shape[:-1], self.linear.out_features)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        if len(rows) > 1:
+            return self.linear(rows)
+        return self.linear(torch.cat((rows, rows)))[:1]
 
 
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -102,7 +120,7 @@ AttentionMaskInterface.register(ATTENTION, eager_mask)
 
 
 def make_rows_invariant(model: PreTrainedModel) -> int:
-    """Row-invariant attention, and every bf16 nn.Linear on CPU wrapped in PairedRowLinear;
+    """Row-invariant attention, and every bf16 nn.Linear on CPU wrapped in RowInvariantLinear;
     returns how many."""
     model.set_attn_implementation(ATTENTION)
     return replace_linears(model, _pair_if_bf16_on_cpu)
@@ -110,4 +128,4 @@ def make_rows_invariant(model: PreTrainedModel) -> int:
 
 def _pair_if_bf16_on_cpu(linear: nn.Linear) -> nn.Module | None:
     w = linear.weight
-    return PairedRowLinear(linear) if w.dtype == torch.bfloat16 and w.device.type == "cpu" else None
+    return RowInvariantLinear(linear) if w.dtype == torch.bfloat16 and w.device.type == "cpu" else None
