@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class HeldEngine:
     def __init__(self) -> None:
         self.started, self.go = threading.Event(), threading.Event()
 
-    def new_state(self) -> KVState:
+    def new_state(self, prompt: Sequence[int] = ()) -> KVState:
         return KVState()
 
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:

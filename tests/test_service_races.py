@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from specsplit.protocol.messages import ServerLimits
 from specsplit.server import service
 from specsplit.server.config import ServeConfig
+from specsplit.server.engine import KVState
 from specsplit.server.metrics import ServerMetrics
 from specsplit.v1 import specsplit_pb2 as pb
 
@@ -20,7 +21,7 @@ class Worker:
 
     def __init__(self) -> None:
         self.config = SimpleNamespace(outbox_size=64)
-        self.engine = SimpleNamespace(new_state=lambda: None)
+        self.engine = SimpleNamespace(new_state=lambda prompt: KVState())
         self.sessions: dict = {}
 
     def held(self) -> int:

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
 from specsplit.common.prefix import common_prefix
 from specsplit.server.loading import LoadedModel
+from specsplit.server.prefix_cache import PrefixCache
 
 PAD_ID = 0  # fed at padded positions; masked out, so any valid id will do
 
@@ -38,6 +39,8 @@ class KVState:
     # After a pass that fed branches: (position, tokens) of each; their keys and values sit
     # past the tokens', one branch after another.
     branches: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    # A prompt whose keys and values go to the engine's prefix cache once a pass has computed them.
+    prompt: tuple[int, ...] = ()
 
     def crop(self, length: int) -> None:
         self.branches = []
@@ -127,7 +130,10 @@ class Engine(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    def new_state(self) -> KVState: ...
+    def new_state(self, prompt: Sequence[int] = ()) -> KVState:
+        """A session's cache; given the session's prompt, an engine with a prefix cache starts
+        it with the positions that prompt shares with others (KVState.tokens says how many)."""
+        ...
 
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         """(rows, tokens per row) a pass over `sessions` feeds of at most `longest` tokens computes."""
@@ -151,13 +157,22 @@ class Engine(Protocol):
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = 0) -> None:
+        """`prefix_cache_bytes`: memory for prompts' keys and values that later sessions whose
+        prompts begin alike start from (prefix_cache.py); 0 keeps none."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
+        self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
 
-    def new_state(self) -> KVState:
-        return KVState()
+    def new_state(self, prompt: Sequence[int] = ()) -> KVState:
+        state = KVState()
+        if self.prefixes is not None and prompt:
+            shared, kv = self.prefixes.lookup(prompt)
+            if kv is not None:
+                state.kv, state.tokens = kv, list(prompt[:shared])
+            state.prompt = tuple(prompt)
+        return state
 
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return sessions, longest  # right-padded to the longest feed, no more
@@ -223,6 +238,9 @@ class TargetEngine:
             # A copy when batched, so that a session's cache does not hold the whole batch's memory.
             it.kv.kv, it.kv.tokens = (kv.clone() if b > 1 else kv), seq
             it.kv.branches = [(len(it.prefix) + fork, tuple(tokens)) for fork, tokens in it.branches]
+            if it.kv.prompt and self.prefixes is not None:  # the session's first pass: its prompt is computed
+                self.prefixes.keep(it.kv.prompt, it.kv.kv)
+                it.kv.prompt = ()
             if it.greedy:
                 results.append(greedy_ids[i, lo:hi])  # type: ignore[index]
             else:

@@ -92,6 +92,10 @@ class ServerMetrics:
         )
         self.outbox_depth = Gauge("specsplit_outbox_depth", "Messages queued to edges, all sessions", registry=r)
         self.kv_bytes = Gauge("specsplit_kv_cache_bytes", "KV cache memory held by sessions", registry=r)
+        self.prefix_cache_hits = Counter("specsplit_prefix_cache_hits", "Sessions started from the keys and values "
+                                         "of a prompt prefix another prompt shares (--prefix-cache-mb)", registry=r)
+        self.prefix_cache_tokens = Counter("specsplit_prefix_cache_tokens", "Prompt positions taken from the "
+                                           "prefix cache instead of computed", registry=r)
         self.errors = Counter("specsplit_errors", "Calls ended with an error, by gRPC status (token refusals "
                               "included)", ["code"], registry=r)
         for counter, values in ((self.errors, ERROR_CODES), (self.sessions_ended, END_REASONS),

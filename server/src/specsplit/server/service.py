@@ -106,8 +106,11 @@ class SpecSplitService:
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
                     pace = PaceLog.for_next(pace, time.monotonic())
-                    self.worker.add(SessionHandle(conn.session, outbox, kv=self.worker.engine.new_state(),
-                                                  stream_task=stream_task, pace=pace))
+                    kv = self.worker.engine.new_state(conn.session.request.prompt_ids)
+                    if kv.tokens:
+                        self.metrics.prefix_cache_hits.inc()
+                        self.metrics.prefix_cache_tokens.inc(len(kv.tokens))
+                    self.worker.add(SessionHandle(conn.session, outbox, kv=kv, stream_task=stream_task, pace=pace))
                 elif isinstance(event, Close) and conn.session is not None:
                     # Cancelled: its cache and its place under --max-sessions go now (a kept
                     # stream's next Open would otherwise leave them held for good).

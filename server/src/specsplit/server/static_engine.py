@@ -219,8 +219,8 @@ class StaticEngine:
         # The largest pass writes up to TOKEN_BUCKETS[-1] positions past a session's end.
         return min(int(getattr(self.model.config, "max_position_embeddings", 32768)), self.max_len - TOKEN_BUCKETS[-1])
 
-    def new_state(self) -> SlotState:
-        return SlotState(self)
+    def new_state(self, prompt: Sequence[int] = ()) -> SlotState:
+        return SlotState(self)  # a slot starts empty: no prefix cache (the dynamic engine's)
 
     verifies_branches = False  # a slot's positions are its tokens': no room for a branch beside them
     split_width = TOKEN_BUCKETS[-1]  # pieces of a feed are rows of one slot (verify_batch)
