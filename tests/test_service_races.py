@@ -179,3 +179,43 @@ def test_a_closed_session_leaves_the_worker_at_once() -> None:
         return held
 
     assert asyncio.run(main()) == [0, 0, 0]
+
+
+class _AbortingContext(_Context):
+    """gRPC's context as far as an abort: it ends the handler, as grpc.aio's does."""
+
+    async def abort(self, code, details, trailing_metadata=()):  # type: ignore[no-untyped-def]
+        raise _Aborted(code, details)
+
+
+class _Aborted(Exception):
+    def __init__(self, code, details) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(code, details)
+        self.code, self.details = code, details
+
+
+def test_a_fault_of_the_server_reading_the_stream_fails_the_call() -> None:
+    """The server's own error while it takes in a message (here the engine's, as the session
+    opens) ends the call with INTERNAL; before, the reader died and the call waited for good."""
+
+    def broken(prompt):  # type: ignore[no-untyped-def]
+        raise TypeError("a bug in the engine")
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield OPEN
+        await asyncio.sleep(60)
+
+    async def main() -> _Aborted:
+        worker = Worker()
+        worker.engine = SimpleNamespace(new_state=broken)
+        stream = _service(worker).Generate(requests(), _AbortingContext())
+        try:
+            for _ in range(3):  # its Opened went out before the engine was asked
+                await asyncio.wait_for(stream.__anext__(), 10)
+        except _Aborted as exc:
+            return exc
+        raise AssertionError("the call went on")
+
+    aborted = asyncio.run(main())
+    assert aborted.code.name == "INTERNAL"
+    assert "a bug in the engine" in aborted.details

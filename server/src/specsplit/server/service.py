@@ -126,6 +126,9 @@ class SpecSplitService:
             await outbox.put(HALF_CLOSED)
         except errors.ProtocolError as exc:
             await outbox.put(exc)
+        except Exception as exc:  # the server's own fault: the call fails with it rather than wait on the outbox
+            log.exception("stream %s: the server failed on one of its messages", conn.stream_id)
+            await outbox.put(RuntimeError(f"the server failed on a message of the stream ({exc!r})"))
 
     async def Generate(  # noqa: N802 (gRPC's method name)
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext

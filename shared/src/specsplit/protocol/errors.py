@@ -4,8 +4,9 @@ from __future__ import annotations
 # gRPC's server pushback: trailing metadata that tells a client to retry after this many ms.
 PUSHBACK_METADATA = "grpc-retry-pushback-ms"
 # How the details of an INTERNAL status begin when the server's target failed a session's
-# verification: the server's own failure, which an edge does not retry (unlike an INTERNAL
-# that gRPC's client makes of a call ended while it was writing).
+# verification, or the server failed on a message of the stream: the server's own failure,
+# which an edge does not retry (unlike an INTERNAL that gRPC's client makes of a call ended
+# while it was writing).
 VERIFICATION_FAILED = "verification failed"
 
 
