@@ -10,7 +10,7 @@ that, and both depend only on the pass's shape:
   and the two sum in different orders. The matrix kernel gives a row the same bits whether
   its product holds 2 rows or 32, at any position among them, but past 32 rows it picks its
   blocking by the row count, and rows come out other bits at some counts and not at others
-  (on the default target, on an AVX-512 CPU: the 8960-wide down projection from 33 rows on,
+  (on the default target, on an Intel Xeon with AMX: the 8960-wide down projection from 33 rows on,
   the gate, up and vocabulary projections from 33 or 37; a batch of four sessions' 9 tokens
   moved a logit by a quarter). A pass of a long prompt, or of several sessions' drafts,
   holds more rows than that;
@@ -24,7 +24,7 @@ that, and both depend only on the pass's shape:
 So every linear takes its rows INVARIANT_ROWS at a time, a lone row as two copies of itself
 (two rows cost what one does: the weights are read once either way); a pass over more rows
 reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
-pay for (a 44-token prefill of the default target: 616 ms against 469 on one core). Attention is the model's own eager
+pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon). Attention is the model's own eager
 attention, run per batch row from the first key that row can see. Shown
 bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by
 `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its divergence check:
