@@ -9,6 +9,9 @@ first check would prove nothing.
 """
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -73,6 +76,43 @@ def test_pytorch_default_bf16_rows_do_depend_on_the_pass() -> None:
     model = _model()
     model.set_attn_implementation("eager")
     assert not all(_compare(model))
+
+
+class _Attention(torch.nn.Module):
+    """What the attention functions read of a qwen2 attention module: 12 heads over 2 key/value heads."""
+
+    num_key_value_groups = 6
+    training = False
+
+
+def _alone_and_among_others(attention: Callable) -> list[bool]:
+    """Per case, whether every query of a pass (causal, over its cache and the pass's
+    tokens) has the bits it has fed alone over the keys up to its own."""
+    torch.manual_seed(0)
+    results, module, kw = [], _Attention(), {"scaling": 128**-0.5, "dropout": 0.0}
+    for length in range(20, 120, 7):
+        for queries in (2, 5, 9, 12, 17):
+            q = torch.randn(1, 12, queries, 128, dtype=torch.bfloat16)
+            k, v = (torch.randn(1, 2, length, 128, dtype=torch.bfloat16) for _ in range(2))
+            mask = torch.zeros(1, 1, queries, length, dtype=torch.bfloat16)
+            for i in range(queries):
+                mask[0, 0, i, length - queries + i + 1 :] = torch.finfo(torch.bfloat16).min
+            together = attention(module, q, k, v, mask, **kw)[0]
+            end = length - queries + 1
+            results.append(all(torch.equal(attention(module, q[:, :, i : i + 1], k[:, :, : end + i], v[:, :, : end + i],
+                                                     None, **kw)[0][0, 0], together[0, i]) for i in range(queries)))
+    return results
+
+
+@torch.inference_mode()
+def test_a_query_gets_the_same_attention_alone_and_among_others() -> None:
+    """Eager attention's products take other kernels by the number of queries and keys on a
+    CPU with AMX (the control, where the CPU shows it: 8 of 675 queries); the row-invariant
+    attention gives every query the bits it gets alone."""
+    assert all(_alone_and_among_others(row_invariant_attention))
+    if "amx_bf16" in _cpu_flags():
+        eager = sys.modules[Qwen2ForCausalLM.__module__].eager_attention_forward
+        assert not all(_alone_and_among_others(eager))
 
 
 def test_row_invariant_linear_equals_the_two_row_kernel() -> None:

@@ -15,25 +15,25 @@ that, and both depend only on the pass's shape:
   moved a logit by a quarter). A pass of a long prompt, or of several sessions' drafts,
   holds more rows than that;
 - scaled-dot-product attention's CPU kernel splits its queries into blocks by the pass's
-  size. The eager path (a matmul, a softmax in fp32, a matmul) gives every query row the
-  same bits, and masked keys after a row's own cost nothing, but masked keys before them
-  do: a batch left-pads the shorter sessions' caches, which shifts where their keys fall
-  in the vector lanes of the softmax's sum and of the product with the values (3 of 170
-  random cases came out other bits).
+  size. The eager path (a matmul, a softmax in fp32, a matmul) gave every query row the
+  same bits on an AMD EPYC as long as no masked key came before a row's own (a batch
+  left-pads the shorter sessions' caches: 3 of 170 random cases came out other bits), but
+  on an Intel Xeon with AMX its products take other kernels by the number of queries and
+  keys: a query among drafts came out other bits than the same query alone from the third
+  draft on, and 12 prompts' greedy outputs parted in 7 of them.
 
 So every linear takes its rows INVARIANT_ROWS at a time, a lone row as two copies of itself
 (two rows cost what one does: the weights are read once either way); a pass over more rows
 reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
-pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon). Attention is the model's own eager
-attention, run per batch row from the first key that row can see. Shown
+pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon). Attention is
+the model's own eager attention, one query at a time over exactly the keys it sees: a
+query's products have one shape wherever it is fed. Shown
 bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by
 `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its divergence check:
 `bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in its own attention
 and is not made so.
 """
 from __future__ import annotations
-
-import sys
 
 import torch
 from torch import nn
@@ -72,47 +72,36 @@ class RowInvariantLinear(nn.Module):
 
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """The model's eager attention, each batch row over its keys from the first it may see.
+    """Attention one query at a time over exactly the keys it may see, as eager attention
+    computes it (products in the model's dtype, the softmax in fp32; no dropout: serving).
 
-    `attention_mask` is eager's additive mask [batch, 1, queries, keys]; a key no query of a
-    row may see is left padding. Queries that may not see some key between the row's first
-    and their last (a branch's tokens, which skip the drafts they replace and any branches
-    fed before theirs) attend over just the keys they see, gathered, branch by branch: the
-    same keys, in the same places, as when fed in line."""
-    eager = sys.modules[type(module).__module__].eager_attention_forward
+    `attention_mask` is eager's additive mask [batch, 1, queries, keys] (None: every query
+    sees every key). A query of a one-token step and the same query among drafts, other
+    sessions' rows or a branch then go through products of one shape over the same keys, in
+    the same order: a branch's tokens, which skip the drafts they replace and any branches
+    fed before theirs, attend over the keys they see gathered, as when fed in line. A query's
+    heads go through as one product per key/value head: no copy of the keys per query head."""
+    batch, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    scaling = kwargs.get("scaling") or dim**-0.5
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, queries, dim)
+    out = query.new_empty((batch, queries, heads, dim))
     if attention_mask is None:
-        return eager(module, query, key, value, None, **kwargs)[0], None
-    allowed = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min  # [batch, queries, keys]
-    visible = allowed.any(dim=1)
-    firsts = visible.to(torch.int8).argmax(dim=1).tolist()  # argmax: the first visible key
-    # A query's keys are one run from its row's first when it sees every key up to its last.
-    last = allowed.shape[2] - 1 - allowed.flip(2).to(torch.int8).argmax(dim=2)
-    holes = allowed.sum(dim=2) != last + 1 - torch.tensor(firsts)[:, None]
-    if not any(firsts) and not holes.any():
-        return eager(module, query, key, value, attention_mask, **kwargs)[0], None
-    rows = []
-    for b, first in enumerate(firsts):
-        def part(queries: torch.Tensor | slice, keys: torch.Tensor | slice) -> torch.Tensor:
-            return eager(module, query[b : b + 1, :, queries], key[b : b + 1, :, keys], value[b : b + 1, :, keys],
-                         attention_mask[b : b + 1, :, queries][..., keys], **kwargs)[0]
-
-        if not holes[b].any():
-            rows.append(part(slice(None), slice(first, None)))
-            continue
-        out = query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
-        inline, aside = (~holes[b]).nonzero()[:, 0], holes[b].nonzero()[:, 0]
-        out[:, inline] = part(inline, slice(first, None))
-        # A branch's tokens skip one run of keys, which ends where the branch begins: that
-        # end tells branches apart.
-        columns = torch.arange(allowed.shape[2])
-        skipped = ~allowed[b, aside] & (columns >= first) & (columns < last[b, aside, None])
-        ends = (skipped * columns).amax(dim=1)
-        for end in ends.unique().tolist():
-            group = aside[ends == end]
-            # The keys any of them sees, in order; each sees a run of them from the first.
-            out[:, group] = part(group, allowed[b, group].any(dim=0).nonzero()[:, 0])
-        rows.append(out)
-    return torch.cat(rows), None
+        spans = [[(0, key.shape[2], True)] * queries] * batch
+    else:
+        allowed = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min  # [batch, queries, keys]
+        first = allowed.to(torch.int8).argmax(dim=2)
+        last = allowed.shape[2] - 1 - allowed.flip(2).to(torch.int8).argmax(dim=2)
+        whole = allowed.sum(dim=2) == last + 1 - first  # every key from the first seen to the last
+        spans = [list(zip(f, e, w)) for f, e, w in zip(first.tolist(), (last + 1).tolist(), whole.tolist())]
+    for b, row in enumerate(spans):
+        for q, (begin, end, run) in enumerate(row):
+            keys = slice(begin, end) if run else allowed[b, q].nonzero()[:, 0]
+            k, v = key[b, :, keys], value[b, :, keys]  # [kv heads, keys, dim]
+            scores = torch.matmul(grouped[b, :, :, q], k.transpose(1, 2)) * scaling  # [kv heads, group, keys]
+            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            out[b, q] = torch.matmul(weights, v).reshape(heads, dim)
+    return out, None
 
 
 AttentionInterface.register(ATTENTION, row_invariant_attention)
