@@ -26,8 +26,8 @@ So every linear takes its rows INVARIANT_ROWS at a time, a lone row as two copie
 (two rows cost what one does: the weights are read once either way); a pass over more rows
 reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
 pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon). Attention is
-the model's own eager attention, one query at a time over exactly the keys it sees: a
-query's products have one shape wherever it is fed. Shown
+computed as eager attention computes it, but one query at a time over exactly the keys it
+sees: a query's products have one shape wherever it is fed. Shown
 bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by
 `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its divergence check:
 `bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in its own attention
