@@ -276,8 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "session whose prompt begins as another prompt did (a chat template's system turn, at least 8 "
                    "tokens) starts from those positions instead of computing them: over the benchmark's prompts on one "
                    "core of an Intel Xeon, server-only time to first token 518 ms against 884. A prompt takes only what it "
-                   "shares with other prompts, not its own earlier keys; exact in fp32 and bf16 on a CPU, on a GPU "
-                   "up to rounding, as in a batch")
+                   "shares with other prompts, not its own earlier keys; the same bits in bf16 on a CPU, elsewhere "
+                   "(fp32, a GPU) up to rounding, as in a batch")
     s.add_argument("--static-max-len", type=int, default=2048,
                    help="static engine: KV positions per session (prompt + output + lookahead must fit)")
     s.add_argument("--kv-buckets", action=argparse.BooleanOptionalAction, default=None,
