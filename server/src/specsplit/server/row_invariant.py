@@ -22,8 +22,9 @@ that, and both depend only on the pass's shape:
   keys: a query among drafts came out other bits than the same query alone from the third
   draft on, and 12 prompts' greedy outputs parted in 7 of them.
 
-So every linear takes its rows INVARIANT_ROWS at a time, a lone row as two copies of itself
-(two rows cost what one does: the weights are read once either way); a pass over more rows
+So every linear takes its rows INVARIANT_ROWS at a time and at least MIN_ROWS, a short piece
+padded with copies of a row (four rows cost less than one: the weights are read once either
+way, and oneDNN's kernel for one or two rows is slower); a pass over more rows
 reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
 pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon). Attention is
 computed as eager attention computes it, but one query at a time over exactly the keys it
@@ -47,27 +48,56 @@ ATTENTION = "specsplit_row_invariant"
 
 # The most rows one matrix product takes: up to here the kernel sums every row in one order.
 INVARIANT_ROWS = 32
+# The fewest: oneDNN's kernel takes one and two rows through slower paths than three to six
+# (the default target's linear layers on one core of an AMD EPYC: 224 ms over two rows, 145
+# over four), and gives a row the same bits from two rows to INVARIANT_ROWS.
+MIN_ROWS = 4
 
 
 class RowInvariantLinear(nn.Module):
-    """Wraps a bf16 nn.Linear so that its products take at most INVARIANT_ROWS rows at a time
-    and at least two (a lone row goes through as two copies of itself)."""
+    """A bf16 nn.Linear whose products take at most INVARIANT_ROWS rows at a time and at least
+    MIN_ROWS (a short piece is padded with copies of its last row).
+
+    The weight is packed once into oneDNN's blocked layout. Unpacked, every call repacks it:
+    PyTorch's bf16 product on CPU is oneDNN's with a reorder of the weight first, which cost
+    the default target's passes about as much again as the product itself (4 rows: 238 ms
+    against 125 for its transformer layers). Packed or not, a row gets the same bits: it is
+    the same kernel. Where this build of PyTorch cannot pack, the plain weight serves."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self.weight, self._packed = _pack(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if 1 < rows <= INVARIANT_ROWS:
-            return self.linear(x)
-        out = torch.cat([self._product(piece) for piece in x.reshape(rows, -1).split(INVARIANT_ROWS)])
-        return out.reshape(*x.shape[:-1], self.linear.out_features)
+        rows = x.reshape(-1, self.in_features)
+        if MIN_ROWS <= len(rows) <= INVARIANT_ROWS:
+            out = self._product(rows)
+        else:
+            out = torch.cat([self._padded_product(piece) for piece in rows.split(INVARIANT_ROWS)])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _padded_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if len(rows) >= MIN_ROWS:
+            return self._product(rows)
+        filler = rows[-1:].expand(MIN_ROWS - len(rows), -1)
+        return self._product(torch.cat((rows, filler)))[: len(rows)]
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        if len(rows) > 1:
-            return self.linear(rows)
-        return self.linear(torch.cat((rows, rows)))[:1]
+        if self._packed:
+            return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return nn.functional.linear(rows, self.weight, self.bias)
+
+
+def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The weight in oneDNN's layout and True, or the weight as it is and False."""
+    if not torch.backends.mkldnn.is_available():
+        return weight, False
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, INVARIANT_ROWS), True
+    except (RuntimeError, AttributeError):  # a build without the op, or a CPU oneDNN cannot pack for
+        return weight, False
 
 
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
