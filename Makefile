@@ -59,11 +59,11 @@ bench-rtt50: $(STAMP)
 	$(PY) bench/run_bench.py --name rtt50 --rtt-ms 50 --max-new-tokens 64 --sync-k 2 4 6 8 --no-hf --async-no-branches $(BENCH_ARGS)
 
 # What each mode can reach with these models and this target speed, and what-ifs, from the
-# 12-prompt RTT 50 ms run (bench/results/rtt50.json) and the target's pass times on this CPU
-# (bench/results/cpu-passes-bf16-invariant.json, bf16 as served here, from bench/gpu_passes.py): a model, in about a
+# 12-prompt RTT 50 ms run (bench/results/rtt50-packed.json) and the target's pass times on this CPU
+# (bench/results/cpu-passes-bf16-packed.json, bf16 as served here, from bench/gpu_passes.py): a model, in about a
 # minute (most of it the draft run teacher-forced over every prompt).
 bench-replay: $(STAMP)
-	$(PY) bench/replay.py --bench bench/results/rtt50.json --pass-costs bench/results/cpu-passes-bf16-invariant.json
+	$(PY) bench/replay.py --bench bench/results/rtt50-packed.json --pass-costs bench/results/cpu-passes-bf16-packed.json --name replay-packed
 
 # 64 concurrent sessions for 5 minutes with tiny models: zero errors, flat server memory.
 soak: $(STAMP)
