@@ -115,7 +115,7 @@ def test_a_query_gets_the_same_attention_alone_and_among_others() -> None:
         assert not all(_alone_and_among_others(eager))
 
 
-def test_row_invariant_linear_equals_the_two_row_kernel() -> None:
+def test_row_invariant_linear_gives_each_row_the_plain_layers_bits() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 384).to(torch.bfloat16)
     x = torch.randn(5, 256, dtype=torch.bfloat16)
@@ -149,7 +149,7 @@ def test_row_invariant_linear_over_many_rows() -> None:
     linear = torch.nn.Linear(8960, 1536, bias=False).to(torch.bfloat16)
     x = torch.randn(max(ROW_COUNTS) + 1, 8960, dtype=torch.bfloat16)
     wrapped = RowInvariantLinear(linear)
-    assert wrapped._packed or not torch.backends.mkldnn.is_available()  # the weight went to oneDNN's layout
+    assert wrapped.packed or not torch.backends.mkldnn.is_available()  # the weight went to oneDNN's layout
     assert all(_rows_by_count(wrapped, x))
     with torch.inference_mode():
         assert torch.equal(wrapped(x[:9]), linear(x[:9]))  # packed, the same kernel's bits

@@ -23,8 +23,8 @@ that, and both depend only on the pass's shape:
   draft on, and 12 prompts' greedy outputs parted in 7 of them.
 
 So every linear takes its rows INVARIANT_ROWS at a time and at least MIN_ROWS, a short piece
-padded with copies of a row (four rows cost less than one: the weights are read once either
-way, and oneDNN's kernel for one or two rows is slower); a pass over more rows
+padded with copies of a row (the weights are read once either way, and oneDNN's kernel for
+one or two rows is slower than for four); a pass over more rows
 reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
 pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon). Attention is
 computed as eager attention computes it, but one query at a time over exactly the keys it
@@ -68,36 +68,36 @@ class RowInvariantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.weight, self._packed = _pack(linear.weight.detach())
+        self.weight = _pack(linear.weight.detach())
+
+    @property
+    def packed(self) -> bool:
+        return self.weight.is_mkldnn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if MIN_ROWS <= len(rows) <= INVARIANT_ROWS:
-            out = self._product(rows)
-        else:
-            out = torch.cat([self._padded_product(piece) for piece in rows.split(INVARIANT_ROWS)])
+        pieces = [self._product(piece) for piece in x.reshape(-1, self.in_features).split(INVARIANT_ROWS)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _padded_product(self, rows: torch.Tensor) -> torch.Tensor:
-        if len(rows) >= MIN_ROWS:
-            return self._product(rows)
-        filler = rows[-1:].expand(MIN_ROWS - len(rows), -1)
-        return self._product(torch.cat((rows, filler)))[: len(rows)]
-
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        if self._packed:
-            return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
-        return nn.functional.linear(rows, self.weight, self.bias)
+        n = len(rows)
+        if n < MIN_ROWS:
+            rows = torch.cat((rows, rows[-1:].expand(MIN_ROWS - n, -1)))
+        if self.packed:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        else:
+            out = nn.functional.linear(rows, self.weight, self.bias)
+        return out[:n]
 
 
-def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The weight in oneDNN's layout and True, or the weight as it is and False."""
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's layout, or as it is where this build cannot pack it."""
     if not torch.backends.mkldnn.is_available():
-        return weight, False
+        return weight
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, INVARIANT_ROWS), True
+        return torch.ops.mkldnn._reorder_linear_weight(weight, INVARIANT_ROWS)
     except (RuntimeError, AttributeError):  # a build without the op, or a CPU oneDNN cannot pack for
-        return weight, False
+        return weight
 
 
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
