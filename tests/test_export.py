@@ -48,23 +48,31 @@ def test_int8_export_scales_each_output_channel(tiny, tmp_path) -> None:
     assert any(s.ndim == 1 and s.size > 1 for s in scales.values())
 
 
-def test_int4_export_stores_matrices_in_blocks_of_32_and_drafts(tiny, tmp_path) -> None:
+@pytest.mark.parametrize("block", [None, 16])  # the tiny model is 64 wide: a block of 64 is a row
+def test_int4_export_stores_matrices_in_blocks_and_drafts(tiny, tmp_path, block) -> None:
     from specsplit.edge.drafter import OnnxDrafter
 
     out = tmp_path / "int4"
-    meta = export_draft(str(tiny.target_dir), out, quantize="int4")
-    assert meta.weights == "int4 blocks of 32, asymmetric; embeddings int8"
+    meta = export_draft(str(tiny.target_dir), out, quantize="int4", **({"int4_block_size": block} if block else {}))
+    block = block or 32  # the default
+    assert meta.weights == f"int4 blocks of {block}, asymmetric; embeddings int8"
     model = onnx.load(str(out / "model.onnx"))
     ops = {node.op_type for node in model.graph.node}
     blocks = {a.i for node in model.graph.node if node.op_type == "MatMulNBits" for a in node.attribute
               if a.name in ("bits", "block_size")}
-    assert blocks == {4, 32} and "MatMulInteger" not in ops
+    assert blocks == {4, block} and "MatMulInteger" not in ops
     # No float weight matrix is left: the biggest float initializer is far smaller than the embedding table.
     floats = [np.prod(t.dims) for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
     assert max(floats) < meta.vocab_size * 64
     logits = OnnxDrafter(out).next_logits([5, 6, 7, 8])
     want = OnnxDrafter(tiny.same_dir).next_logits([5, 6, 7, 8])
     assert logits.shape == want.shape and np.corrcoef(logits, want)[0, 1] > 0.9
+
+
+def test_export_refuses_an_int4_block_size_onnx_runtime_has_no_kernel_for(tiny, tmp_path) -> None:
+    with pytest.raises(ValueError, match="block size must be one of"):
+        export_draft(str(tiny.target_dir), tmp_path / "int4", quantize="int4", int4_block_size=48)
+    assert not (tmp_path / "int4").exists()
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4"])

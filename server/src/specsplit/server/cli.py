@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from specsplit.common.address import check_host_port
+from specsplit.common.export_meta import INT4_BLOCK_SIZE, INT4_BLOCK_SIZES
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 from specsplit.server.config import IDLE_POLICIES, SchedulerConfig, ServeConfig, resolve_engine
 
@@ -148,7 +149,8 @@ def _export(args: argparse.Namespace) -> int:
     from specsplit.server.loading import MissingWeights, UnreadableModel
 
     try:
-        meta = export_draft(args.model, Path(args.out), quantize=args.quantize, tolerance=args.tolerance)
+        meta = export_draft(args.model, Path(args.out), quantize=args.quantize, tolerance=args.tolerance,
+                            int4_block_size=args.int4_block_size)
     except ExportParityError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -381,8 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "replaced (a directory holding other files is refused)")
     e.add_argument("--quantize", choices=["none", "int8", "int4"], default="none",
                    help="int8: weights to int8, one scale per output channel; int4: weight matrices to 4 bits "
-                   "in blocks of 32 with a scale and zero point each, the embedding table to int8 (the "
-                   "activations are quantized on the fly in both)")
+                   "in blocks (--int4-block-size) with a scale and zero point each, the embedding table to "
+                   "int8 (the activations are quantized on the fly in both)")
+    e.add_argument("--int4-block-size", type=int, choices=INT4_BLOCK_SIZES, default=INT4_BLOCK_SIZE,
+                   help="inputs per int4 block (default %(default)s): larger blocks store fewer scales, so a "
+                   "draft step reads fewer bytes, at some cost in agreement with the target")
     e.add_argument(
         "--tolerance", type=float, default=5e-3, help="max |logit difference| ONNX Runtime vs torch (fp32 graph)"
     )

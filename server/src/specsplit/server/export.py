@@ -19,7 +19,17 @@ import onnxruntime as ort
 import torch
 from transformers import PretrainedConfig
 
-from specsplit.common.export_meta import INPUTS, LOGITS, META_FILE, MODEL_FILE, DraftExportMeta, past_names, present_names
+from specsplit.common.export_meta import (
+    INPUTS,
+    INT4_BLOCK_SIZE,
+    INT4_BLOCK_SIZES,
+    LOGITS,
+    META_FILE,
+    MODEL_FILE,
+    DraftExportMeta,
+    past_names,
+    present_names,
+)
 from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
 from specsplit.server.loading import LoadedModel, load_model, source_sha256
 
@@ -142,7 +152,11 @@ def parity_check(loaded: LoadedModel, onnx_path: Path) -> ParityReport:
 # as often as int8 (83.5% against 83.6% teacher-forced over the benchmark's outputs), takes
 # 14% less time a token and 21% less for the two-row steps that grow a branch, and is 445
 # MB against 616 (docs/benchmarks.md).
-SCHEMES = {"int8": "per-channel", "int4": "blocks of 32, asymmetric; embeddings int8"}
+def int4_scheme(block_size: int) -> str:
+    return f"blocks of {block_size}, asymmetric; embeddings int8"
+
+
+SCHEMES = {"int8": "per-channel", "int4": int4_scheme(INT4_BLOCK_SIZE)}
 QUANTIZATIONS = ("none", *SCHEMES)
 
 
@@ -153,13 +167,15 @@ def quantize_int8(src: Path, dst: Path) -> None:
                      use_external_data_format=False)
 
 
-def quantize_int4(src: Path, dst: Path, work: Path) -> None:
+def quantize_int4(src: Path, dst: Path, work: Path, block_size: int = INT4_BLOCK_SIZE) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     # accuracy_level 4: the activations go to int8 inside the kernel, so the products run
     # on the CPU's integer dot-product units, as the int8 scheme's do.
-    matmuls = MatMulNBitsQuantizer(str(src), bits=4, block_size=32, is_symmetric=False, accuracy_level=4)
+    # Larger blocks store fewer scales and zero points, and the draft step, which reads every
+    # weight once, reads fewer bytes (docs/benchmarks.md has the trade against agreement).
+    matmuls = MatMulNBitsQuantizer(str(src), bits=4, block_size=block_size, is_symmetric=False, accuracy_level=4)
     matmuls.process()
     middle = work / "int4-matmuls.onnx"
     matmuls.model.save_model_to_file(str(middle), use_external_data_format=False)
@@ -186,10 +202,14 @@ def export_draft(
     out_dir: Path,
     quantize: str = "none",
     tolerance: float = DEFAULT_TOLERANCE,
+    int4_block_size: int = INT4_BLOCK_SIZE,
 ) -> DraftExportMeta:
     """Export, check parity, optionally quantize, and write `out_dir` atomically."""
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"quantize must be one of {QUANTIZATIONS}, got {quantize!r}")
+    if int4_block_size not in INT4_BLOCK_SIZES:
+        raise ValueError(f"int4 block size must be one of {INT4_BLOCK_SIZES}, got {int4_block_size!r}")
+    scheme = int4_scheme(int4_block_size) if quantize == "int4" else SCHEMES.get(quantize)
     out_dir = Path(out_dir)
     check_replaceable(out_dir)
     log.info("loading %s", model_path)
@@ -212,14 +232,14 @@ def export_draft(
         final.mkdir()
         extra = {}
         if quantize != "none":
-            log.info("quantizing weights to %s (%s)", quantize, SCHEMES[quantize])
+            log.info("quantizing weights to %s (%s)", quantize, scheme)
             if quantize == "int8":
                 quantize_int8(fp32, final / MODEL_FILE)
             else:
-                quantize_int4(fp32, final / MODEL_FILE, work)
+                quantize_int4(fp32, final / MODEL_FILE, work, int4_block_size)
             q = parity_check(loaded, final / MODEL_FILE)
             log.info("%s: max |logit diff| %.2e, top-1 agreement %.3f", quantize, q.max_abs_diff, q.top1_agreement)
-            extra = {f"{quantize}_scheme": SCHEMES[quantize], f"{quantize}_max_abs_logit_diff": q.max_abs_diff,
+            extra = {f"{quantize}_scheme": scheme, f"{quantize}_max_abs_logit_diff": q.max_abs_diff,
                      f"{quantize}_top1_agreement": q.top1_agreement}
         else:
             for f in fp32.parent.iterdir():

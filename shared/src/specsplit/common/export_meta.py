@@ -11,6 +11,9 @@ MODEL_FILE = "model.onnx"
 # The graph's inputs and outputs beside the caches: what the exporter names and the drafter feeds.
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 LOGITS = "logits"
+# Inputs per block of an int4 export's matrices: what ONNX Runtime's MatMulNBits takes, and the default.
+INT4_BLOCK_SIZES = (16, 32, 64, 128, 256)
+INT4_BLOCK_SIZE = 32
 
 
 def past_names(layers: int) -> list[str]:
