@@ -54,7 +54,8 @@ SCENARIOS = [
     Scenario("flat_passes", "every pass at a one-token pass's cost", costs=lambda c: c.flat()),
     Scenario("no_delay", "no network delay", link=lambda link: rm.Link(link.draft_ms, 0.0)),
     # What a quicker draft alone would buy: the lever a quicker target leaves (docs/benchmarks.md).
-    Scenario("quicker_draft", "draft steps in two thirds of the time", link=lambda link: rm.Link(link.draft_ms * 2 / 3, link.one_way_ms)),
+    Scenario("quicker_draft", "draft steps in two thirds of the time",
+             link=lambda link: rm.Link(link.draft_ms * 2 / 3, link.one_way_ms)),
     Scenario("half_the_misses_fixed", "every second disagreement made an agreement", agreement=_fix_half),
     Scenario("draft_always_right", "a draft that always agrees", agreement=lambda a: [True] * len(a)),
 ]

@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from specsplit.common.export_meta import DraftExportMeta
+from specsplit.common.export_meta import INT4_BLOCK_SIZE, DraftExportMeta
 from specsplit.server import export as export_mod
 from specsplit.server.export import ExportParityError, check_replaceable, export_draft, parity_check
 from specsplit.server.loading import load_model
@@ -54,7 +54,7 @@ def test_int4_export_stores_matrices_in_blocks_and_drafts(tiny, tmp_path, block)
 
     out = tmp_path / "int4"
     meta = export_draft(str(tiny.target_dir), out, quantize="int4", **({"int4_block_size": block} if block else {}))
-    block = block or 32  # the default
+    block = block or INT4_BLOCK_SIZE
     assert meta.weights == f"int4 blocks of {block}, asymmetric; embeddings int8"
     model = onnx.load(str(out / "model.onnx"))
     ops = {node.op_type for node in model.graph.node}

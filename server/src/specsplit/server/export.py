@@ -140,22 +140,22 @@ def parity_check(loaded: LoadedModel, onnx_path: Path) -> ParityReport:
     return ParityReport(worst, agree / total)
 
 
+def int4_scheme(block_size: int) -> str:
+    return f"blocks of {block_size}, asymmetric; embeddings int8"
+
+
 # How each quantization stores the weights, recorded in the export's metadata so that an
 # export made with an older scheme of the same name is redone (models.prepare_draft).
 # int8: one scale per output channel, not one per weight matrix: a handful of outlier weights
 # then stretch only their own channel's scale. For the default 0.5B draft this brought the
 # int8 draft's greedy agreement with the 1.5B target from 81% to 84% (the fp32 draft's
 # figure) for a tenth more time per token.
-# int4: the matrices in blocks of 32 inputs, each block with its own scale and zero point
-# (ONNX Runtime's MatMulNBits), which is how the default draft's GGUF (Q4_K) stores them in
-# the first place; the embedding table int8. On the default pair it agrees with the target
+# int4: the matrices in blocks of 32 inputs by default (--int4-block-size), each block with
+# its own scale and zero point (ONNX Runtime's MatMulNBits), which is how the default draft's
+# GGUF (Q4_K) stores them in the first place; the embedding table int8. On the default pair it agrees with the target
 # as often as int8 (83.5% against 83.6% teacher-forced over the benchmark's outputs), takes
 # 14% less time a token and 21% less for the two-row steps that grow a branch, and is 445
 # MB against 616 (docs/benchmarks.md).
-def int4_scheme(block_size: int) -> str:
-    return f"blocks of {block_size}, asymmetric; embeddings int8"
-
-
 SCHEMES = {"int8": "per-channel", "int4": int4_scheme(INT4_BLOCK_SIZE)}
 QUANTIZATIONS = ("none", *SCHEMES)
 
