@@ -765,6 +765,9 @@ def test_concurrent_sessions_are_batched_and_each_equals_the_target(tiny, batchi
 
 
 
+BRANCH_ROUNDS = 5
+
+
 class MisorderingDrafter:
     """The target's own export, sure of the target's choice, except at every third position,
     where it proposes the target's runner-up, unsure of it, with the target's choice close
@@ -788,16 +791,24 @@ def test_branches_are_verified_beside_their_drafts_and_change_no_output(tiny) ->
     mport = free_port()
     tok = EdgeTokenizer(tiny.draft_dir)
     log = tiny.target_dir.parent / "branches.log"
+    verified = 0.0
     with launch_server(tiny.target_dir, log, "--metrics-port", str(mport)) as (address, _):
-        taken = 0
-        for prompt in PROMPTS:
-            ids = tok.encode(prompt)
-            cfg = EdgeConfig(mode="async", max_new_tokens=30, window=8)
-            result = asyncio.run(generate(address, ids, cfg, drafter=MisorderingDrafter(OnnxDrafter(tiny.same_dir)),
-                                          fingerprint=tok.fingerprint))
-            assert result.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens), prompt
-            taken += result.stats.branches_taken
-        # Over all prompts, not each: a short generation may end before a branch gets verified
-        # when the machine is busy (one of six tokens did, under a parallel test run).
-        assert taken > 0
-        assert metric(f"127.0.0.1:{mport}", "specsplit_branches_verified_total") > 0
+        # Whether a branch lands before the pass over the draft beside it is a race: the edge
+        # sends the branch just after the draft, and an idle server may begin that pass between
+        # the two (CI once saw no branch verified in a round of all prompts). The protocol and
+        # batching tests pin the mechanism down; here it must happen in some round of a few,
+        # and every round's output must be the target's.
+        for _ in range(BRANCH_ROUNDS):
+            taken = 0
+            for prompt in PROMPTS:
+                ids = tok.encode(prompt)
+                cfg = EdgeConfig(mode="async", max_new_tokens=30, window=8)
+                result = asyncio.run(generate(address, ids, cfg, drafter=MisorderingDrafter(OnnxDrafter(tiny.same_dir)),
+                                              fingerprint=tok.fingerprint))
+                assert result.tokens == reference(str(tiny.target_dir), ids, cfg.max_new_tokens), prompt
+                taken += result.stats.branches_taken
+            assert taken > 0  # over all prompts, not each: a short generation may end before one
+            verified = metric(f"127.0.0.1:{mport}", "specsplit_branches_verified_total")
+            if verified > 0:
+                break
+    assert verified > 0, f"no branch verified in {BRANCH_ROUNDS} rounds"
