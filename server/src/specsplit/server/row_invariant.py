@@ -26,15 +26,25 @@ So every linear takes its rows INVARIANT_ROWS at a time and at least MIN_ROWS, a
 padded with copies of a row (the weights are read once either way, and oneDNN's kernel for
 one or two rows is slower than for four); a pass over more rows
 reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
-pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon). Attention is
-computed as eager attention computes it, but one query at a time over exactly the keys it
-sees: a query's products have one shape wherever it is fed. Shown
-bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by
-`bench/gpu_passes.py --target default --device cpu --dtype bf16` (its divergence check:
-`bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in its own attention
-and is not made so.
+pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon).
+
+Attention is computed as eager attention computes it (products in bf16, the softmax in
+fp32), but a query's products have one shape wherever it is fed: its keys are taken in a
+window from the first it sees, KEY_BUCKET wide or a multiple of that, the keys past its own
+masked out (they weigh exactly 0, and a zero adds nothing to a sum), and queries that share a
+window go through as the rows of one product, at most INVARIANT_ROWS rows and at least
+MIN_ROWS, which the matrix kernel gives each row the same bits over, as for the linear layers.
+One product per window, not per query: a pass over 8 tokens spent about 15% of its time
+in attention taken one query at a time (a Python loop of small products), about a third of
+that in windows. Shown bitwise by `tests/test_row_invariant.py` on a small model, and on the
+default target by `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its
+divergence check: `bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in
+its own attention and is not made so.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -100,38 +110,105 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
         return weight
 
 
+# Key windows are a multiple of this wide: a query's window, so its products' shapes, change
+# once every this many positions, and a window holds at most this many keys past its own.
+KEY_BUCKET = 64
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Where a query's keys are: batch row `row`, from `first` on (a run; or the positions in
+    `scattered`: a branch's keys skip the drafts it replaces), `seen` of them, in a window of `width`."""
+
+    row: int
+    first: int
+    seen: int
+    width: int
+    scattered: torch.Tensor | None = None
+
+    def shares_product_with(self, other: _Window) -> bool:
+        return (self.scattered is None and other.scattered is None and self.row == other.row
+                and self.first == other.first and self.width == other.width)
+
+
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention one query at a time over exactly the keys it may see, as eager attention
-    computes it (products in the model's dtype, the softmax in fp32; no dropout: serving).
+    """Attention whose every query gets the bits it gets fed alone (see the module's docstring).
 
     `attention_mask` is eager's additive mask [batch, 1, queries, keys] (None: every query
     sees every key). A query of a one-token step and the same query among drafts, other
-    sessions' rows or a branch then go through products of one shape over the same keys, in
-    the same order: a branch's tokens, which skip the drafts they replace and any branches
-    fed before theirs, attend over the keys they see gathered, as when fed in line. A query's
-    heads go through as one product per key/value head: no copy of the keys per query head."""
+    sessions' rows or a branch see the same keys at the same places of a window of one
+    width: a branch's tokens, which skip the drafts they replace and any branches fed before
+    theirs, attend over the keys they see gathered, as when fed in line. A query's heads go
+    through as rows of one product per key/value head: no copy of the keys per query head."""
     batch, heads, queries, dim = query.shape
     kv_heads = key.shape[1]
+    group = heads // kv_heads
     scaling = kwargs.get("scaling") or dim**-0.5
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, queries, dim)
+    grouped = query.reshape(batch, kv_heads, group, queries, dim)
     out = query.new_empty((batch, queries, heads, dim))
-    if attention_mask is None:
-        spans = [[(0, key.shape[2], True)] * queries] * batch
-    else:
-        allowed = attention_mask[:, 0] > torch.finfo(attention_mask.dtype).min  # [batch, queries, keys]
-        first = allowed.to(torch.int8).argmax(dim=2)
-        last = allowed.shape[2] - 1 - allowed.flip(2).to(torch.int8).argmax(dim=2)
-        whole = allowed.sum(dim=2) == last + 1 - first  # every key from the first seen to the last
-        spans = [list(zip(f, e, w)) for f, e, w in zip(first.tolist(), (last + 1).tolist(), whole.tolist())]
-    for b, row in enumerate(spans):
-        for q, (begin, end, run) in enumerate(row):
-            keys = slice(begin, end) if run else allowed[b, q].nonzero()[:, 0]
-            k, v = key[b, :, keys], value[b, :, keys]  # [kv heads, keys, dim]
-            scores = torch.matmul(grouped[b, :, :, q], k.transpose(1, 2)) * scaling  # [kv heads, group, keys]
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            out[b, q] = torch.matmul(weights, v).reshape(heads, dim)
+    per_product = max(1, INVARIANT_ROWS // group)
+    for q0, windows in _products(_windows(attention_mask, batch, queries, key.shape[2]), per_product):
+        w, m = windows[0], len(windows)
+        if w.scattered is None:
+            keys, values = _window(key[w.row], w.first, w.width), _window(value[w.row], w.first, w.width)
+        else:
+            keys, values = _gathered(key[w.row], w.scattered, w.width), _gathered(value[w.row], w.scattered, w.width)
+        rows = grouped[w.row, :, :, q0 : q0 + m].transpose(1, 2).reshape(kv_heads, m * group, dim)
+        if m * group < MIN_ROWS:  # as for the linear layers: one or two rows take another kernel
+            rows = torch.cat((rows, rows[:, -1:].expand(-1, MIN_ROWS - m * group, -1)), 1)
+        scores = torch.matmul(rows, keys.transpose(1, 2)) * scaling  # [kv heads, rows, width]
+        for i, window in enumerate(windows):
+            scores[:, i * group : (i + 1) * group, window.seen :] = float("-inf")
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        result = torch.matmul(weights, values)[:, : m * group].reshape(kv_heads, m, group, dim)
+        out[w.row, q0 : q0 + m] = result.transpose(0, 1).reshape(m, heads, dim)
     return out, None
+
+
+def _windows(mask: torch.Tensor | None, batch: int, queries: int, keys: int) -> list[list[_Window]]:
+    """Per batch row, per query, the window of the keys `mask` lets it see."""
+    def width(seen: int) -> int:
+        return -(-seen // KEY_BUCKET) * KEY_BUCKET
+
+    allowed = None if mask is None else mask[:, 0] > torch.finfo(mask.dtype).min  # [batch, queries, keys]
+    if allowed is None or bool(allowed.all()):  # a one-token step's mask mostly: read no further
+        return [[_Window(b, 0, keys, width(keys)) for _ in range(queries)] for b in range(batch)]
+    first = allowed.to(torch.int8).argmax(dim=2)
+    last = allowed.shape[2] - 1 - allowed.flip(2).to(torch.int8).argmax(dim=2)
+    count = allowed.sum(dim=2)
+    whole = count == last + 1 - first  # every key from the first seen to the last
+    return [[_Window(b, f, n, width(n), None if run else allowed[b, q].nonzero()[:, 0])
+             for q, (f, n, run) in enumerate(zip(fs, ns, runs))]
+            for b, (fs, ns, runs) in enumerate(zip(first.tolist(), count.tolist(), whole.tolist()))]
+
+
+def _products(windows: list[list[_Window]], per_product: int) -> Iterator[tuple[int, list[_Window]]]:
+    """(first query, its windows): consecutive queries of a row that share a window, at most
+    `per_product` together; a branch's query (scattered keys) alone."""
+    for row in windows:
+        q0, run = 0, [row[0]] if row else []
+        for q in range(1, len(row)):
+            if len(run) < per_product and row[q].shares_product_with(run[0]):
+                run.append(row[q])
+            else:
+                yield q0, run
+                q0, run = q, [row[q]]
+        if run:
+            yield q0, run
+
+
+def _window(t: torch.Tensor, first: int, width: int) -> torch.Tensor:
+    """t[:, first : first + width] ([kv heads, keys, dim]), zeros past its last key."""
+    short = first + width - t.shape[1]
+    if short <= 0:
+        return t[:, first : first + width]
+    return torch.cat((t[:, first:], t.new_zeros(t.shape[0], short, t.shape[2])), 1)
+
+
+def _gathered(t: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """t's keys at `positions`, in order, then zeros up to `width`."""
+    return torch.cat((t[:, positions], t.new_zeros(t.shape[0], width - len(positions), t.shape[2])), 1)
 
 
 AttentionInterface.register(ATTENTION, row_invariant_attention)
