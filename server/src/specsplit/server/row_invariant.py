@@ -34,9 +34,9 @@ window from the first it sees, KEY_BUCKET wide or a multiple of that, the keys p
 masked out (they weigh exactly 0, and a zero adds nothing to a sum), and queries that share a
 window go through as the rows of one product, at most INVARIANT_ROWS rows and at least
 MIN_ROWS, which the matrix kernel gives each row the same bits over, as for the linear layers.
-One product per window, not per query: a pass over 8 tokens spent about 15% of its time
-in attention taken one query at a time (a Python loop of small products), about a third of
-that in windows. Shown bitwise by `tests/test_row_invariant.py` on a small model, and on the
+One product per window, not per query: taken one query at a time (a Python loop of small
+products, each mostly call overhead), attention was 13 to 19% of a pass over 8 tokens of the
+default target on one core of an AMD EPYC; in windows it takes about 40% of that time. Shown bitwise by `tests/test_row_invariant.py` on a small model, and on the
 default target by `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its
 divergence check: `bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in
 its own attention and is not made so.
