@@ -274,6 +274,28 @@ def test_a_branch_is_not_changed_by_another_fed_before_it() -> None:
     assert not all(_two_branches_alone_and_together(_union_of_keys))
 
 
+def test_a_pass_goes_through_few_products() -> None:
+    """A row of a pass (a cache of 20 keys, a line of 10 tokens, a branch of 7 beside its third
+    token and one of 3 beside its fourth) takes five products, not one per query: the line in
+    two windows of 5 queries (30 rows of 6 heads), each branch's consecutive tokens together
+    over its keys gathered, at most 5 at a time."""
+    from specsplit.server.row_invariant import _plan
+
+    cache, line, queries = 20, 10, 20
+    visible = torch.zeros(queries, cache + queries, dtype=torch.bool)
+    visible[:, :cache] = True
+    visible[:, cache:] = torch.ones(queries, queries, dtype=torch.bool).tril()
+    visible[line:17, cache + 2 : cache + line] = False  # the first branch skips the drafts from its own place on
+    visible[17:, cache + 3 : cache + 17] = False  # the second, those and the first branch
+    mask = torch.zeros(1, 1, queries, cache + queries, dtype=torch.bfloat16)
+    mask[0, 0].masked_fill_(~visible, torch.finfo(torch.bfloat16).min)
+    plan = _plan(mask, 1, queries, cache + queries, per_product=5)
+    assert [(p.q0, p.seen) for p in plan] == [(0, [21, 22, 23, 24, 25]), (5, [26, 27, 28, 29, 30]),
+                                              (10, [23, 24, 25, 26, 27]), (15, [28, 29]), (17, [24, 25, 26])]
+    assert [p.positions is None for p in plan] == [True, True, False, False, False]
+    assert _plan(mask, 1, queries, cache + queries, per_product=5) is plan  # read once per pass
+
+
 def test_loading_bf16_on_cpu_makes_rows_invariant(tiny) -> None:
     """The server loads through load_model: bf16 on CPU must come out row-invariant, fp32 untouched."""
     bf16 = load_model(str(tiny.target_dir), dtype="bf16").model

@@ -43,6 +43,7 @@ its own attention and is not made so.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -115,20 +116,27 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 KEY_BUCKET = 64
 
 
-@dataclass(frozen=True)
-class _Window:
-    """Where a query's keys are: batch row `row`, from `first` on (a run; or the positions in
-    `scattered`: a branch's keys skip the drafts it replaces), `seen` of them, in a window of `width`."""
+@dataclass
+class _Product:
+    """Consecutive queries of batch row `row`, from `q0` on, that go through one product: the
+    i-th sees the first `seen[i]` keys of a window `width` wide, which begins at key `first`
+    of the row (a run of keys) or holds the keys at `positions` (gathered: a branch's tokens
+    skip the drafts they replace, and each sees the keys the one before it sees and its own)."""
 
     row: int
-    first: int
-    seen: int
+    q0: int
+    seen: list[int]
     width: int
-    scattered: torch.Tensor | None = None
+    first: int = 0
+    positions: torch.Tensor | None = None
 
-    def shares_product_with(self, other: _Window) -> bool:
-        return (self.scattered is None and other.scattered is None and self.row == other.row
-                and self.first == other.first and self.width == other.width)
+    def takes(self, row: int, first: int, seen: int, width: int, positions: torch.Tensor | None) -> bool:
+        """Whether the row's next query, with that window, can be one of this product's."""
+        if row != self.row or width != self.width:
+            return False
+        if positions is None or self.positions is None:
+            return positions is None and self.positions is None and first == self.first
+        return seen == self.seen[-1] + 1 and torch.equal(positions[:-1], self.positions)
 
 
 def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -147,55 +155,66 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     scaling = kwargs.get("scaling") or dim**-0.5
     grouped = query.reshape(batch, kv_heads, group, queries, dim)
     out = query.new_empty((batch, queries, heads, dim))
-    per_product = max(1, INVARIANT_ROWS // group)
-    for q0, windows in _products(_windows(attention_mask, batch, queries, key.shape[2]), per_product):
-        w, m = windows[0], len(windows)
-        if w.scattered is None:
-            keys, values = _window(key[w.row], w.first, w.width), _window(value[w.row], w.first, w.width)
+    for p in _plan(attention_mask, batch, queries, key.shape[2], max(1, INVARIANT_ROWS // group)):
+        m = len(p.seen)
+        if p.positions is None:
+            keys, values = _window(key[p.row], p.first, p.width), _window(value[p.row], p.first, p.width)
         else:
-            keys, values = _gathered(key[w.row], w.scattered, w.width), _gathered(value[w.row], w.scattered, w.width)
-        rows = grouped[w.row, :, :, q0 : q0 + m].transpose(1, 2).reshape(kv_heads, m * group, dim)
+            keys, values = _gathered(key[p.row], p.positions, p.width), _gathered(value[p.row], p.positions, p.width)
+        rows = grouped[p.row, :, :, p.q0 : p.q0 + m].transpose(1, 2).reshape(kv_heads, m * group, dim)
         if m * group < MIN_ROWS:  # as for the linear layers: one or two rows take another kernel
             rows = torch.cat((rows, rows[:, -1:].expand(-1, MIN_ROWS - m * group, -1)), 1)
         scores = torch.matmul(rows, keys.transpose(1, 2)) * scaling  # [kv heads, rows, width]
-        for i, window in enumerate(windows):
-            scores[:, i * group : (i + 1) * group, window.seen :] = float("-inf")
+        for i, seen in enumerate(p.seen):
+            scores[:, i * group : (i + 1) * group, seen:] = float("-inf")
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         result = torch.matmul(weights, values)[:, : m * group].reshape(kv_heads, m, group, dim)
-        out[w.row, q0 : q0 + m] = result.transpose(0, 1).reshape(m, heads, dim)
+        out[p.row, p.q0 : p.q0 + m] = result.transpose(0, 1).reshape(m, heads, dim)
     return out, None
 
 
-def _windows(mask: torch.Tensor | None, batch: int, queries: int, keys: int) -> list[list[_Window]]:
-    """Per batch row, per query, the window of the keys `mask` lets it see."""
-    def width(seen: int) -> int:
-        return -(-seen // KEY_BUCKET) * KEY_BUCKET
+# The plan of the pass in flight. Every layer of a pass gets the same mask object, and reading
+# it (and comparing a branch's keys with its previous token's) is done once per pass: the weak
+# reference lets the mask go with its pass, and another pass's mask is another object.
+_last_plan: tuple[weakref.ref[torch.Tensor], int, list[_Product]] | None = None
 
+
+def _plan(mask: torch.Tensor | None, batch: int, queries: int, keys: int, per_product: int) -> list[_Product]:
+    """The products of a pass, at most `per_product` queries each: consecutive queries of a
+    row whose windows begin at one key and have one width, or a branch's consecutive tokens."""
+    global _last_plan
+    cached = _last_plan
+    if mask is not None and cached is not None and cached[0]() is mask and cached[1] == per_product:
+        return cached[2]
+    products: list[_Product] = []
+    for row, q, first, seen, positions in _seen_keys(mask, batch, queries, keys):
+        width = -(-seen // KEY_BUCKET) * KEY_BUCKET
+        last = products[-1] if products else None
+        if last is not None and len(last.seen) < per_product and last.takes(row, first, seen, width, positions):
+            last.seen.append(seen)
+            last.positions = positions
+        else:
+            products.append(_Product(row, q, [seen], width, first, positions))
+    if mask is not None:
+        _last_plan = (weakref.ref(mask), per_product, products)
+    return products
+
+
+def _seen_keys(mask: torch.Tensor | None, batch: int, queries: int,
+               keys: int) -> Iterator[tuple[int, int, int, int, torch.Tensor | None]]:
+    """(row, query, first key, keys seen, their positions where they are not one run), for
+    every query of every batch row in order."""
     allowed = None if mask is None else mask[:, 0] > torch.finfo(mask.dtype).min  # [batch, queries, keys]
     if allowed is None or bool(allowed.all()):  # a one-token step's mask mostly: read no further
-        return [[_Window(b, 0, keys, width(keys)) for _ in range(queries)] for b in range(batch)]
+        yield from ((b, q, 0, keys, None) for b in range(batch) for q in range(queries))
+        return
     first = allowed.to(torch.int8).argmax(dim=2)
     last = allowed.shape[2] - 1 - allowed.flip(2).to(torch.int8).argmax(dim=2)
     count = allowed.sum(dim=2)
     whole = count == last + 1 - first  # every key from the first seen to the last
-    return [[_Window(b, f, n, width(n), None if run else allowed[b, q].nonzero()[:, 0])
-             for q, (f, n, run) in enumerate(zip(fs, ns, runs))]
-            for b, (fs, ns, runs) in enumerate(zip(first.tolist(), count.tolist(), whole.tolist()))]
-
-
-def _products(windows: list[list[_Window]], per_product: int) -> Iterator[tuple[int, list[_Window]]]:
-    """(first query, its windows): consecutive queries of a row that share a window, at most
-    `per_product` together; a branch's query (scattered keys) alone."""
-    for row in windows:
-        q0, run = 0, [row[0]] if row else []
-        for q in range(1, len(row)):
-            if len(run) < per_product and row[q].shares_product_with(run[0]):
-                run.append(row[q])
-            else:
-                yield q0, run
-                q0, run = q, [row[q]]
-        if run:
-            yield q0, run
+    for b, (fs, ns, runs) in enumerate(zip(first.tolist(), count.tolist(), whole.tolist())):
+        for q, (f, n, run) in enumerate(zip(fs, ns, runs)):
+            yield b, q, f, n, None if run else allowed[b, q].nonzero()[:, 0]
 
 
 def _window(t: torch.Tensor, first: int, width: int) -> torch.Tensor:
