@@ -36,8 +36,8 @@ window go through as the rows of one product, at most INVARIANT_ROWS rows and at
 MIN_ROWS, which the matrix kernel gives each row the same bits over, as for the linear layers.
 One product per window, not per query: taken one query at a time (a Python loop of small
 products, each mostly call overhead), attention was 13 to 19% of a pass over 8 tokens of the
-default target on one core of an AMD EPYC; in windows it takes about 40% of that time. Shown bitwise by `tests/test_row_invariant.py` on a small model, and on the
-default target by `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its
+default target on one core of an AMD EPYC; in windows it takes about 40% of that time.
+Shown bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its
 divergence check: `bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in
 its own attention and is not made so.
 """
@@ -92,13 +92,21 @@ class RowInvariantLinear(nn.Module):
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         n = len(rows)
-        if n < MIN_ROWS:
-            rows = torch.cat((rows, rows[-1:].expand(MIN_ROWS - n, -1)))
+        rows = _at_least_min_rows(rows, 0)
         if self.packed:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         else:
             out = nn.functional.linear(rows, self.weight, self.bias)
         return out[:n]
+
+
+def _at_least_min_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """`rows` (along `dim`) padded to MIN_ROWS with copies of its last one."""
+    short = MIN_ROWS - rows.shape[dim]
+    if short <= 0:
+        return rows
+    last = rows.narrow(dim, rows.shape[dim] - 1, 1)
+    return torch.cat((rows, last.expand(*[short if d == dim else -1 for d in range(rows.dim())])), dim)
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
@@ -157,13 +165,10 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     out = query.new_empty((batch, queries, heads, dim))
     for p in _plan(attention_mask, batch, queries, key.shape[2], max(1, INVARIANT_ROWS // group)):
         m = len(p.seen)
-        if p.positions is None:
-            keys, values = _window(key[p.row], p.first, p.width), _window(value[p.row], p.first, p.width)
-        else:
-            keys, values = _gathered(key[p.row], p.positions, p.width), _gathered(value[p.row], p.positions, p.width)
+        taken = slice(p.first, p.first + p.width) if p.positions is None else p.positions
+        keys, values = _padded(key[p.row, :, taken], p.width), _padded(value[p.row, :, taken], p.width)
         rows = grouped[p.row, :, :, p.q0 : p.q0 + m].transpose(1, 2).reshape(kv_heads, m * group, dim)
-        if m * group < MIN_ROWS:  # as for the linear layers: one or two rows take another kernel
-            rows = torch.cat((rows, rows[:, -1:].expand(-1, MIN_ROWS - m * group, -1)), 1)
+        rows = _at_least_min_rows(rows, 1)  # as for the linear layers: one or two rows take another kernel
         scores = torch.matmul(rows, keys.transpose(1, 2)) * scaling  # [kv heads, rows, width]
         for i, seen in enumerate(p.seen):
             scores[:, i * group : (i + 1) * group, seen:] = float("-inf")
@@ -217,17 +222,11 @@ def _seen_keys(mask: torch.Tensor | None, batch: int, queries: int,
             yield b, q, f, n, None if run else allowed[b, q].nonzero()[:, 0]
 
 
-def _window(t: torch.Tensor, first: int, width: int) -> torch.Tensor:
-    """t[:, first : first + width] ([kv heads, keys, dim]), zeros past its last key."""
-    short = first + width - t.shape[1]
-    if short <= 0:
-        return t[:, first : first + width]
-    return torch.cat((t[:, first:], t.new_zeros(t.shape[0], short, t.shape[2])), 1)
-
-
-def _gathered(t: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
-    """t's keys at `positions`, in order, then zeros up to `width`."""
-    return torch.cat((t[:, positions], t.new_zeros(t.shape[0], width - len(positions), t.shape[2])), 1)
+def _padded(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """`keys` ([kv heads, keys, dim]: a window cut short by the cache's end, or keys gathered)
+    with zeros after them up to `width`."""
+    short = width - keys.shape[1]
+    return keys if short == 0 else torch.cat((keys, keys.new_zeros(keys.shape[0], short, keys.shape[2])), 1)
 
 
 AttentionInterface.register(ATTENTION, row_invariant_attention)
