@@ -7,13 +7,13 @@ rows up to a quarter of a logit apart, flipping near-tied choices. Two kernel ch
 that, and both depend only on the pass's shape:
 
 - a linear layer over a single row takes a vector kernel, over two or more a matrix kernel,
-  and the two sum in different orders. The matrix kernel gives a row the same bits whether
-  its product holds 2 rows or 32, at any position among them, but past 32 rows it picks its
-  blocking by the row count, and rows come out other bits at some counts and not at others
-  (on the default target, on an Intel Xeon with AMX: the 8960-wide down projection from 33 rows on,
-  the gate, up and vocabulary projections from 33 or 37; a batch of four sessions' 9 tokens
-  moved a logit by a quarter). A pass of a long prompt, or of several sessions' drafts,
-  holds more rows than that;
+  and the two sum in different orders. The matrix kernel gives a row the same bits over a
+  range of row counts, at any position among them, but past it picks its blocking by the row
+  count, and rows come out other bits at some counts and not at others (on the default
+  target, on an Intel Xeon with AMX and PyTorch 2.13: the 8960-wide down projection from 33
+  rows on, the gate, up and vocabulary projections from 33 or 37; a batch of four sessions'
+  9 tokens moved a logit by a quarter; with PyTorch 2.11 there, from 5 to 18 rows by shape).
+  A pass of a long prompt, or of several sessions' drafts, holds more rows than that;
 - scaled-dot-product attention's CPU kernel splits its queries into blocks by the pass's
   size. The eager path (a matmul, a softmax in fp32, a matmul) gave every query row the
   same bits on an AMD EPYC as long as no masked key came before a row's own (a batch
@@ -22,11 +22,12 @@ that, and both depend only on the pass's shape:
   keys: a query among drafts came out other bits than the same query alone from the third
   draft on, and 12 prompts' greedy outputs parted in 7 of them.
 
-So every linear takes its rows INVARIANT_ROWS at a time and at least MIN_ROWS, a short piece
-padded with copies of a row (the weights are read once either way, and oneDNN's kernel for
-one or two rows is slower than for four); a pass over more rows
-reads the weights once per INVARIANT_ROWS of them, which a prompt's prefill and a large batch
-pay for (a 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon).
+So every linear takes its rows at most as many at a time as this machine's kernel keeps a
+row's bits over (measured when the layer is built: kernel_probe.py), at most INVARIANT_ROWS,
+and at least MIN_ROWS, a short piece padded with copies of a row (the weights are read once
+either way, and oneDNN's kernel for one or two rows is slower than for four); a pass over more
+rows reads the weights once per piece, which a prompt's prefill and a large batch pay for (a
+44-token prefill of the default target: 616 ms against 469 on one core of that Xeon).
 
 Attention is computed as eager attention computes it (products in bf16, the softmax in
 fp32), but a query's products have one shape wherever it is fed: its keys are taken in a
@@ -43,6 +44,8 @@ its own attention and is not made so.
 """
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,52 +55,59 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from specsplit.server.kernel_probe import rows_kept, sensitive_weight
 from specsplit.server.linear_swap import replace_linears
+
+log = logging.getLogger(__name__)
 
 ATTENTION = "specsplit_row_invariant"
 
 
-# The most rows one matrix product takes: up to here the kernel sums every row in one order.
+# The most rows one matrix product takes: up to here oneDNN's kernel summed every row in one
+# order on the CPUs and PyTorch builds measured, for some of them only with the weight handed
+# over in one of the ways below (kernel_probe.py).
 INVARIANT_ROWS = 32
 # The fewest: oneDNN's kernel takes one and two rows through slower paths than three to six
 # (the default target's linear layers on one core of an AMD EPYC: 224 ms over two rows, 145
-# over four), and gives a row the same bits from two rows to INVARIANT_ROWS.
+# over four), and on that EPYC it gave a lone row other bits than a row among others.
 MIN_ROWS = 4
 
 
 class RowInvariantLinear(nn.Module):
-    """A bf16 nn.Linear whose products take at most INVARIANT_ROWS rows at a time and at least
+    """A bf16 nn.Linear whose products take at most `rows` rows at a time and at least
     MIN_ROWS (a short piece is padded with copies of its last row).
 
-    The weight is packed once into oneDNN's blocked layout. Unpacked, every call repacks it:
-    PyTorch's bf16 product on CPU is oneDNN's with a reorder of the weight first, which cost
-    the default target's passes about as much again as the product itself (4 rows: 238 ms
-    against 125 for its transformer layers). Packed or not, a row gets the same bits: it is
-    the same kernel. Where this build of PyTorch cannot pack, the plain weight serves."""
+    `rows`, at most INVARIANT_ROWS, is how many rows this machine's kernel gives each of them
+    the bits it gets alone over, measured for the layer's shape (kernel_probe.py) with the
+    weight packed once into oneDNN's blocked layout for INVARIANT_ROWS rows, packed for one
+    row, or plain, the first that keeps INVARIANT_ROWS or else the one that keeps the most.
+    Unpacked, every call repacks the weight: PyTorch's bf16 product on CPU is oneDNN's with a
+    reorder of the weight first, which cost the default target's passes about as much again as
+    the product itself (4 rows: 238 ms against 125 for its transformer layers)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.weight = _pack(linear.weight.detach())
+        self.weight, self.rows = _best_form(linear.weight.detach(), self.bias)
 
     @property
     def packed(self) -> bool:
         return self.weight.is_mkldnn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pieces = [self._product(piece) for piece in x.reshape(-1, self.in_features).split(INVARIANT_ROWS)]
+        pieces = [self._product(piece) for piece in x.reshape(-1, self.in_features).split(self.rows)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        n = len(rows)
-        rows = _at_least_min_rows(rows, 0)
-        if self.packed:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
-        else:
-            out = nn.functional.linear(rows, self.weight, self.bias)
-        return out[:n]
+        return _linear(self.weight, self.bias, _at_least_min_rows(rows, 0))[: len(rows)]
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return nn.functional.linear(rows, weight, bias)
 
 
 def _at_least_min_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
@@ -109,14 +119,51 @@ def _at_least_min_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat((rows, last.expand(*[short if d == dim else -1 for d in range(rows.dim())])), dim)
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight in oneDNN's layout, or as it is where this build cannot pack it."""
+# Rows kept, by (packed for how many rows or None for plain, weight shape, bias, threads): a
+# model's layers share a few shapes, and each is probed once, on a weight made for it.
+_kept: dict[tuple, int] = {}
+
+
+def _best_form(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The weight as the layer's products take it, and how many rows a product may take."""
+    best: tuple[int | None, int] | None = None
+    for hint in (INVARIANT_ROWS, 1, None):
+        key = (hint, tuple(weight.shape), bias is not None, torch.get_num_threads())
+        if key not in _kept:
+            probe = _form(sensitive_weight(*weight.shape, weight.dtype), hint)
+            if probe is None:  # this build cannot pack it
+                continue
+            _kept[key] = rows_kept(lambda rows: _linear(probe, bias, rows), weight.shape[1], weight.dtype,
+                                   INVARIANT_ROWS, MIN_ROWS)
+            if _kept[key] < INVARIANT_ROWS:
+                log.info("bf16 products of %s weights (%s) keep a row's bits over %d rows on this machine",
+                         "x".join(map(str, weight.shape)), "plain" if hint is None else f"packed for {hint}",
+                         _kept[key])
+        if best is None or _kept[key] > best[1]:
+            best = (hint, _kept[key])
+        if best[1] == INVARIANT_ROWS:
+            break
+    assert best is not None  # the plain weight is always there
+    if best[1] < MIN_ROWS:
+        log.warning("bf16 products of %s weights give a row other bits among other rows on this machine: "
+                    "they go one row at a time, and verification passes cost about a one-token step a "
+                    "token (--dtype fp32 may serve faster)", "x".join(map(str, weight.shape)))
+    form = _form(weight, best[0])
+    assert form is not None
+    return form, best[1]
+
+
+def _form(weight: torch.Tensor, hint: int | None) -> torch.Tensor | None:
+    """The weight packed into oneDNN's layout for products of `hint` rows (None: as it is);
+    None where this build of PyTorch cannot pack it."""
+    if hint is None:
+        return weight
     if not torch.backends.mkldnn.is_available():
-        return weight
+        return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, INVARIANT_ROWS)
+        return torch.ops.mkldnn._reorder_linear_weight(weight, hint)
     except (RuntimeError, AttributeError):  # a build without the op, or a CPU oneDNN cannot pack for
-        return weight
+        return None
 
 
 # Key windows are a multiple of this wide: a query's window, so its products' shapes, change
@@ -237,7 +284,13 @@ def make_rows_invariant(model: PreTrainedModel) -> int:
     """Row-invariant attention, and every bf16 nn.Linear on CPU wrapped in RowInvariantLinear;
     returns how many."""
     model.set_attn_implementation(ATTENTION)
-    return replace_linears(model, _pair_if_bf16_on_cpu)
+    started = time.perf_counter()
+    replaced = replace_linears(model, _pair_if_bf16_on_cpu)
+    if replaced:
+        rows = sorted({m.rows for m in model.modules() if isinstance(m, RowInvariantLinear)})
+        log.info("bf16 on CPU made row-invariant: %d linear layers, products of %s rows at most "
+                 "(the kernel probed in %.1f s)", replaced, "/".join(map(str, rows)), time.perf_counter() - started)
+    return replaced
 
 
 def _pair_if_bf16_on_cpu(linear: nn.Linear) -> nn.Module | None:

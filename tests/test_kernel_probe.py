@@ -1,0 +1,107 @@
+"""The probe of how many rows a matrix product keeps a row's bits over (kernel_probe), on
+products made to lose them at known counts, and a layer built on what it finds."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from specsplit.server import row_invariant
+from specsplit.server.kernel_probe import rows_kept, sensitive_weight
+from specsplit.server.row_invariant import INVARIANT_ROWS, MIN_ROWS, RowInvariantLinear
+
+
+def _product(loses_at: set[int] | None = None, from_row: int = 1):
+    """Each row times 3 plus 1, exact; over a count in `loses_at` the rows from `from_row` on
+    come out a little off, as a kernel that sums them in another order would."""
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        out = rows.float() * 3 + 1
+        if loses_at and len(rows) in loses_at:
+            out[from_row:] += 1e-3
+        return out
+    return product
+
+
+def _probe(product) -> int:  # type: ignore[no-untyped-def]
+    return rows_kept(product, 16, torch.float32, INVARIANT_ROWS, MIN_ROWS)
+
+
+def test_a_kernel_that_keeps_every_count_keeps_the_most() -> None:
+    assert _probe(_product()) == INVARIANT_ROWS
+
+
+def test_the_probe_stops_before_the_first_count_that_loses_bits() -> None:
+    assert _probe(_product(set(range(8, 100)))) == 7
+    assert _probe(_product({20})) == 19  # one count alone: the counts after it are not taken
+    assert _probe(_product(set(range(8, 100)), from_row=7)) == 7  # a row at the end only
+
+
+def _split_sum(weight: torch.Tensor, from_rows: int):
+    """Each row's product in one order, or from `from_rows` rows on as the sum of its two
+    halves' products: a kernel that splits its sum by the row count, as oneDNN's did."""
+    w = weight.float()
+    half = w.shape[1] // 2
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        x = rows.float()
+        if len(rows) < from_rows:
+            return torch.stack([r @ w.T for r in x]).to(rows.dtype)
+        return torch.stack([r[:half] @ w[:, :half].T + r[half:] @ w[:, half:].T for r in x]).to(rows.dtype)
+    return product
+
+
+@pytest.mark.parametrize("shape", [(512, 1536), (48, 64)])
+def test_the_probes_rows_show_a_kernel_that_sums_in_another_order(shape) -> None:
+    weight = sensitive_weight(*shape, torch.bfloat16)
+    assert rows_kept(_split_sum(weight, 18), shape[1], torch.bfloat16, INVARIANT_ROWS, MIN_ROWS) == 17
+    assert rows_kept(_split_sum(weight, 99), shape[1], torch.bfloat16, INVARIANT_ROWS, MIN_ROWS) == INVARIANT_ROWS
+
+
+def test_a_kernel_that_loses_bits_among_the_fewest_rows_takes_one_row_at_a_time() -> None:
+    assert _probe(_product(set(range(MIN_ROWS, 100)))) == 1
+
+
+def test_the_layer_takes_the_form_that_keeps_the_most_rows(monkeypatch) -> None:
+    found = iter([5, 20, 12])  # packed for 32 rows, packed for one, plain
+    monkeypatch.setattr(row_invariant, "_kept", {})
+    monkeypatch.setattr(row_invariant, "rows_kept", lambda *args: next(found))
+    linear = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    forms = [hint for hint in (INVARIANT_ROWS, 1, None) if row_invariant._form(linear.weight, hint) is not None]
+    layer = RowInvariantLinear(linear)
+    if forms == [INVARIANT_ROWS, 1, None]:
+        assert (layer.rows, layer.packed) == (20, True)
+    else:  # this build packs no bf16 weight: the plain one is all there is
+        assert (forms, layer.rows, layer.packed) == ([None], 5, False)
+    x = torch.randn(45, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        pieces = torch.cat([layer(x[i : i + layer.rows]) for i in range(0, 45, layer.rows)])
+        assert torch.equal(layer(x), pieces)  # the pieces are `rows` long
+
+
+def test_a_layer_whose_kernel_keeps_no_rows_goes_row_by_row_and_says_so(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(row_invariant, "_kept", {})
+    monkeypatch.setattr(row_invariant, "rows_kept", lambda *args: 1)
+    with caplog.at_level(logging.INFO, logger=row_invariant.__name__):
+        layer = RowInvariantLinear(torch.nn.Linear(64, 48).to(torch.bfloat16))
+    assert layer.rows == 1
+    assert any(r.levelno == logging.WARNING and "one row at a time" in r.getMessage() for r in caplog.records)
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(6)]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_probes_are_kept_per_shape_and_thread_count(monkeypatch, threads) -> None:
+    calls = []
+    monkeypatch.setattr(row_invariant, "_kept", {})
+    monkeypatch.setattr(row_invariant, "rows_kept", lambda *args: calls.append(args) or INVARIANT_ROWS)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):
+            RowInvariantLinear(torch.nn.Linear(64, 48).to(torch.bfloat16))
+        RowInvariantLinear(torch.nn.Linear(64, 40).to(torch.bfloat16))
+    finally:
+        torch.set_num_threads(before)
+    assert len(calls) == 2
