@@ -1,11 +1,12 @@
 """ONNX Runtime linears on CPU compute what the layers they replace do, for any number of rows."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from specsplit.server.cpu_linear import MlasLinear, use_mlas_linears
+from specsplit.server.cpu_linear import MlasLinear, gemm_model, use_mlas_linears
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -56,3 +57,11 @@ def test_an_empty_batch_stays_on_pytorchs_path() -> None:
     wrapped = MlasLinear(nn.Linear(48, 80), threads=1)
     with torch.no_grad():
         assert wrapped(torch.randn(1, 0, 48)).shape == (1, 0, 80)
+
+
+def test_the_layers_model_is_one_the_oldest_onnx_runtime_taken_reads() -> None:
+    """The server takes ONNX Runtime from 1.17 on, which reads IR versions up to 9; the onnx
+    package alone would write its newest (14 with onnx 1.23), which 1.30 refused."""
+    model = gemm_model(3, 2, {"w": np.zeros((2, 3), dtype=np.float32)})
+    assert model.ir_version <= 9
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 17)]

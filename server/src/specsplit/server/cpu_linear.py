@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import torch
-from onnx import TensorProto, helper
+from onnx import ModelProto, TensorProto, helper
 from torch import nn
 
 from specsplit.server.linear_swap import replace_linears
@@ -49,6 +49,20 @@ def _external(name: str, array: np.ndarray) -> TensorProto:
     return tensor
 
 
+def gemm_model(in_features: int, out_features: int, inits: dict[str, np.ndarray]) -> ModelProto:
+    """One Gemm node, y = x w^T (+ b), its initializers `inits` ("w", and "b" if any) handed
+    over from memory. Its IR version is the oldest its opset allows: left to the onnx package,
+    it is that package's newest (14 with onnx 1.23), which ONNX Runtime 1.30 refuses to load."""
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", *inits], ["y"], transB=1)], "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", in_features])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", out_features])],
+        [_external(name, array) for name, array in inits.items()],
+    )
+    opsets = [helper.make_opsetid("", OPSET)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
+
+
 class MlasLinear(nn.Module):
     """Wraps an fp32 nn.Linear: ONNX Runtime at inference; the original under autograd, for
     other dtypes and for an empty batch."""
@@ -61,15 +75,9 @@ class MlasLinear(nn.Module):
         inits = {"w": linear.weight.detach().numpy()}
         if linear.bias is not None:
             inits["b"] = linear.bias.detach().numpy()
-        graph = helper.make_graph(
-            [helper.make_node("Gemm", ["x", *inits], ["y"], transB=1)], "linear",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", linear.in_features])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", linear.out_features])],
-            [_external(name, array) for name, array in inits.items()],
-        )
         options = _session_options(threads)
         options.add_external_initializers(list(inits), [ort.OrtValue.ortvalue_from_numpy(a) for a in inits.values()])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+        model = gemm_model(linear.in_features, linear.out_features, inits)
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
