@@ -105,3 +105,48 @@ def test_probes_are_kept_per_shape_and_thread_count(monkeypatch, threads) -> Non
     finally:
         torch.set_num_threads(before)
     assert len(calls) == 2
+
+
+def test_the_attention_probe_finds_a_product_that_sums_by_row_count(monkeypatch) -> None:
+    """Attention's products, probed as attention calls them, under a matmul that sums past 12
+    rows in another order."""
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if a.shape[-2] <= 12:
+            return (a.double() @ b.double()).to(a.dtype)
+        half = a.shape[-1] // 2
+        return (a[..., :half].float() @ b[..., :half, :].float() + a[..., half:].float() @ b[..., half:, :].float()).to(a.dtype)
+
+    row_invariant._attention_rows.cache_clear()
+    monkeypatch.setattr(torch, "matmul", matmul)
+    try:
+        assert row_invariant.attention_rows(2, 128, torch.bfloat16) == 12
+    finally:
+        row_invariant._attention_rows.cache_clear()
+
+
+def test_attention_takes_as_many_queries_a_product_as_the_kernel_keeps(monkeypatch) -> None:
+    """Kept to 12 rows, a pass's products take two queries of 6 heads, and every query still
+    gets the bits it gets alone."""
+    monkeypatch.setattr(row_invariant, "attention_rows", lambda *args: 12)
+    widths = []
+    plan = row_invariant._plan
+    monkeypatch.setattr(row_invariant, "_plan", lambda *args: widths.append(args[-1]) or plan(*args))
+
+    class Attention(torch.nn.Module):
+        num_key_value_groups = 6
+        training = False
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 12, 9, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 40, 128, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.zeros(1, 1, 9, 40, dtype=torch.bfloat16)
+    for i in range(9):
+        mask[0, 0, i, 40 - 9 + i + 1 :] = torch.finfo(torch.bfloat16).min
+    with torch.inference_mode():
+        together = row_invariant.row_invariant_attention(Attention(), q, k, v, mask, scaling=128**-0.5)[0]
+        assert widths == [2]
+        for i in range(9):
+            end = 40 - 9 + i + 1
+            alone = row_invariant.row_invariant_attention(Attention(), q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end],
+                                                          None, scaling=128**-0.5)[0]
+            assert torch.equal(alone[0, 0], together[0, i])

@@ -33,8 +33,9 @@ Attention is computed as eager attention computes it (products in bf16, the soft
 fp32), but a query's products have one shape wherever it is fed: its keys are taken in a
 window from the first it sees, KEY_BUCKET wide or a multiple of that, the keys past its own
 masked out (they weigh exactly 0, and a zero adds nothing to a sum), and queries that share a
-window go through as the rows of one product, at most INVARIANT_ROWS rows and at least
-MIN_ROWS, which the matrix kernel gives each row the same bits over, as for the linear layers.
+window go through as the rows of one product, at least MIN_ROWS and at most as many as the
+matrix kernel gives each row the same bits over, probed as for the linear layers (for key
+windows of 64, 512 and 4096 keys; INVARIANT_ROWS on every machine measured).
 One product per window, not per query: taken one query at a time (a Python loop of small
 products, each mostly call overhead), attention was 13 to 19% of a pass over 8 tokens of the
 default target on one core of an AMD EPYC; in windows it takes about 40% of that time.
@@ -44,6 +45,7 @@ its own attention and is not made so.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -210,7 +212,8 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     scaling = kwargs.get("scaling") or dim**-0.5
     grouped = query.reshape(batch, kv_heads, group, queries, dim)
     out = query.new_empty((batch, queries, heads, dim))
-    for p in _plan(attention_mask, batch, queries, key.shape[2], max(1, INVARIANT_ROWS // group)):
+    per_product = max(1, attention_rows(kv_heads, dim, query.dtype) // group)
+    for p in _plan(attention_mask, batch, queries, key.shape[2], per_product):
         m = len(p.seen)
         taken = slice(p.first, p.first + p.width) if p.positions is None else p.positions
         keys, values = _padded(key[p.row, :, taken], p.width), _padded(value[p.row, :, taken], p.width)
@@ -223,6 +226,30 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
         result = torch.matmul(weights, values)[:, : m * group].reshape(kv_heads, m, group, dim)
         out[p.row, p.q0 : p.q0 + m] = result.transpose(0, 1).reshape(m, heads, dim)
     return out, None
+
+
+# Key windows the attention probe tries: a window's width is the sum the second product takes
+# (weights times values), and a kernel may block a long sum otherwise than a short one.
+PROBED_WIDTHS = (KEY_BUCKET, 8 * KEY_BUCKET, 64 * KEY_BUCKET)
+
+
+@functools.cache
+def _attention_rows(kv_heads: int, dim: int, dtype: torch.dtype, threads: int) -> int:
+    kept = INVARIANT_ROWS
+    for width in PROBED_WIDTHS:
+        # Scores sum over the head's dimension (queries times keys), the result over the window
+        # (weights times values): each probed as attention calls it, a key/value head a batch.
+        for weight, inputs in ((sensitive_weight(width, dim, dtype), dim), (sensitive_weight(dim, width, dtype), width)):
+            other = weight.repeat(kv_heads, 1, 1).transpose(1, 2)  # [kv heads, inputs, outputs], as keys.transpose
+            kept = min(kept, rows_kept(lambda rows, b=other: torch.matmul(rows.repeat(kv_heads, 1, 1), b)[0],
+                                       inputs, dtype, kept, MIN_ROWS))
+    return kept
+
+
+def attention_rows(kv_heads: int, dim: int, dtype: torch.dtype) -> int:
+    """How many rows attention's products may take (at most INVARIANT_ROWS): probed once per
+    head shape and thread count (kernel_probe.py), as for the linear layers."""
+    return _attention_rows(kv_heads, dim, dtype, torch.get_num_threads())
 
 
 # The plan of the pass in flight. Every layer of a pass gets the same mask object, and reading
@@ -288,8 +315,17 @@ def make_rows_invariant(model: PreTrainedModel) -> int:
     replaced = replace_linears(model, _pair_if_bf16_on_cpu)
     if replaced:
         rows = sorted({m.rows for m in model.modules() if isinstance(m, RowInvariantLinear)})
-        log.info("bf16 on CPU made row-invariant: %d linear layers, products of %s rows at most "
-                 "(the kernel probed in %.1f s)", replaced, "/".join(map(str, rows)), time.perf_counter() - started)
+        config = model.config
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        attention = attention_rows(kv_heads, dim, model.dtype)
+        log.info("bf16 on CPU made row-invariant: %d linear layers, products of %s rows at most, attention's "
+                 "of %d (the kernel probed in %.1f s)", replaced, "/".join(map(str, rows)), attention,
+                 time.perf_counter() - started)
+        if attention < heads // kv_heads:
+            log.warning("attention's products give a row other bits past %d rows on this machine, fewer than a "
+                        "query's %d heads: a session's bf16 results may differ batched and alone here",
+                        attention, heads // kv_heads)
     return replaced
 
 
