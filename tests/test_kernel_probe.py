@@ -150,3 +150,17 @@ def test_attention_takes_as_many_queries_a_product_as_the_kernel_keeps(monkeypat
             alone = row_invariant.row_invariant_attention(Attention(), q[:, :, i : i + 1], k[:, :, :end], v[:, :, :end],
                                                           None, scaling=128**-0.5)[0]
             assert torch.equal(alone[0, 0], together[0, i])
+
+
+def test_a_shape_is_probed_once_and_said_once(monkeypatch, caplog) -> None:
+    """Every layer of a shape takes what its first layer's probe found, and only the first
+    says so; a form this build cannot make is asked for once too."""
+    calls = []
+    monkeypatch.setattr(row_invariant, "_kept", {})
+    monkeypatch.setattr(row_invariant, "rows_kept", lambda *args: calls.append(args) or 1)
+    monkeypatch.setattr(row_invariant, "_form", lambda weight, hint: weight if hint is None else calls.append(hint))
+    with caplog.at_level(logging.WARNING, logger=row_invariant.__name__):
+        layers = [RowInvariantLinear(torch.nn.Linear(64, 48).to(torch.bfloat16)) for _ in range(3)]
+    assert [layer.rows for layer in layers] == [1, 1, 1]
+    assert len(calls) == 3  # packing for 32 rows and for one refused, the plain weight probed
+    assert sum("one row at a time" in r.getMessage() for r in caplog.records) == 1

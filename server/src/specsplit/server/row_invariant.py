@@ -129,24 +129,27 @@ _kept: dict[tuple, int] = {}
 def _best_form(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """The weight as the layer's products take it, and how many rows a product may take."""
     best: tuple[int | None, int] | None = None
+    probed = False  # here, for this shape: the first layer of its shape says what was found
     for hint in (INVARIANT_ROWS, 1, None):
         key = (hint, tuple(weight.shape), bias is not None, torch.get_num_threads())
         if key not in _kept:
+            probed = True
             probe = _form(sensitive_weight(*weight.shape, weight.dtype), hint)
-            if probe is None:  # this build cannot pack it
-                continue
-            _kept[key] = rows_kept(lambda rows: _linear(probe, bias, rows), weight.shape[1], weight.dtype,
-                                   INVARIANT_ROWS, MIN_ROWS)
-            if _kept[key] < INVARIANT_ROWS:
+            # 0: this build cannot pack it (asked once per shape, not once per layer)
+            _kept[key] = 0 if probe is None else rows_kept(lambda rows: _linear(probe, bias, rows), weight.shape[1],
+                                                           weight.dtype, INVARIANT_ROWS, MIN_ROWS)
+            if 0 < _kept[key] < INVARIANT_ROWS:
                 log.info("bf16 products of %s weights (%s) keep a row's bits over %d rows on this machine",
                          "x".join(map(str, weight.shape)), "plain" if hint is None else f"packed for {hint}",
                          _kept[key])
+        if _kept[key] == 0:
+            continue
         if best is None or _kept[key] > best[1]:
             best = (hint, _kept[key])
         if best[1] == INVARIANT_ROWS:
             break
     assert best is not None  # the plain weight is always there
-    if best[1] < MIN_ROWS:
+    if probed and best[1] < MIN_ROWS:
         log.warning("bf16 products of %s weights give a row other bits among other rows on this machine: "
                     "they go one row at a time, and verification passes cost about a one-token step a "
                     "token (--dtype fp32 may serve faster)", "x".join(map(str, weight.shape)))
