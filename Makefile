@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
 DEMO_TOKENS ?= 128
 
-.PHONY: venv test demo models bench bench-quick bench-rtt50 bench-replay soak loadtest proto clean
+.PHONY: venv test test-oldest demo models bench bench-quick bench-rtt50 bench-replay soak loadtest proto clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,15 @@ proto: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The tests against the oldest transformers, onnx, onnxscript and ONNX Runtime the server's
+# pyproject.toml admits (constraints-oldest.txt), in a venv of their own: about 10 minutes.
+OLDEST_VENV ?= .venv-oldest
+test-oldest:
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(OLDEST_VENV)/bin/python -m pip install -c constraints-oldest.txt -e 'shared[test]' -e edge -e server
+	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 # Pull and prepare the default models into the cache (~/.cache/specsplit).
 models: $(STAMP)
@@ -79,4 +88,4 @@ loadtest: $(STAMP)
 		--duration 8 --max-new-tokens 64 --alpha 0.7 --slo 20 --server-arg=--pace-tokens-per-s=22
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OLDEST_VENV)
