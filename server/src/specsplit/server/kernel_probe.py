@@ -7,9 +7,9 @@ shape, the thread count and how the weight is handed over. With PyTorch 2.13 on 
 and on an Intel Xeon with AMX, oneDNN's product kept a row's bits from 2 to 32 rows for every
 layer shape of the default target; with PyTorch 2.11 on an Intel Xeon with AMX, the weight
 packed for 32 rows lost them from 5 to 18 rows by shape, the weight packed for one row kept
-them for most shapes but not all (the 8960-wide down projection from 28 rows on, one
-thread), and the plain weight kept them for most but lost them from 10 rows on for that down
-projection. So the rows a layer's products may take are measured when the layer is built,
+them for most shapes but not all (the 8960-wide down projection from 28 rows on; with 16
+threads the 256-wide key and value projections from 8), and the plain weight kept them for
+most but lost them from 10 rows on for that down projection with one thread. So the rows a layer's products may take are measured when the layer is built,
 once per shape, way of handing over the weight and thread count.
 """
 from __future__ import annotations
