@@ -83,7 +83,8 @@ class RowInvariantLinear(nn.Module):
     the bits it gets alone over, measured for the layer's shape (kernel_probe.py) with the
     weight packed once into oneDNN's blocked layout for INVARIANT_ROWS rows, packed for one
     row, or plain, the first that keeps INVARIANT_ROWS or else the one that keeps the most.
-    Unpacked, every call repacks the weight: PyTorch's bf16 product on CPU is oneDNN's with a
+    The probe runs at the thread count of the layer's making, which the kernel's choices
+    depend on: set it first (serve and bench/gpu_passes.py do). Unpacked, every call repacks the weight: PyTorch's bf16 product on CPU is oneDNN's with a
     reorder of the weight first, which cost the default target's passes about as much again as
     the product itself (4 rows: 238 ms against 125 for its transformer layers)."""
 
