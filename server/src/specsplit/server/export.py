@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from transformers import PretrainedConfig
 
 from specsplit.common.export_meta import (
     INPUTS,
@@ -30,7 +29,7 @@ from specsplit.common.export_meta import (
     past_names,
     present_names,
 )
-from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
+from specsplit.server.kvcache import cache_from_tensors, cache_tensors, kv_shape, output_cache
 from specsplit.server.loading import LoadedModel, load_model, source_sha256
 
 log = logging.getLogger(__name__)
@@ -65,12 +64,6 @@ class _KVWrapper(torch.nn.Module):
         out = self.model(input_ids, attention_mask, position_ids, cache, use_cache=True)
         flat = [t for pair in cache_tensors(output_cache(out)) for t in pair]
         return (out.logits, *flat)
-
-
-def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, getattr(config, "num_key_value_heads", heads), head_dim
 
 
 def _export_graph(loaded: LoadedModel, path: Path) -> None:

@@ -6,7 +6,7 @@ the fourth positional slot, so callers pass it positionally and read it back her
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 from transformers.utils import ModelOutput
 
 
@@ -27,3 +27,10 @@ def cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]
     """Each layer's (keys, values): per-layer caches since transformers 4.54, the only kind
     from 4.56 on, which removed `key_cache`."""
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, key/value heads, head dim) of a decoder's config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim

@@ -58,6 +58,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from specsplit.server.kernel_probe import rows_kept, sensitive_weight
+from specsplit.server.kvcache import kv_shape
 from specsplit.server.linear_swap import replace_linears
 
 log = logging.getLogger(__name__)
@@ -319,9 +320,8 @@ def make_rows_invariant(model: PreTrainedModel) -> int:
     replaced = replace_linears(model, _pair_if_bf16_on_cpu)
     if replaced:
         rows = sorted({m.rows for m in model.modules() if isinstance(m, RowInvariantLinear)})
-        config = model.config
-        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _, kv_heads, dim = kv_shape(model.config)
+        heads = model.config.num_attention_heads
         attention = attention_rows(kv_heads, dim, model.dtype)
         log.info("bf16 on CPU made row-invariant: %d linear layers, products of %s rows at most, attention's "
                  "of %d (the kernel probed in %.1f s)", replaced, "/".join(map(str, rows)), attention,

@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 
 from specsplit.server.engine import KVState, VerifyItem
 from specsplit.server.fusion import fuse_pointwise, unfuse
+from specsplit.server.kvcache import kv_shape
 from specsplit.server.loading import LoadedModel
 
 # Past 32 rows, steps of 8, and past 128 of an eighth of the power of two below: 132 rows pad
@@ -76,11 +77,9 @@ class SlotCache:
     before positions, PyTorch copies the layer's whole cache to scatter into it."""
 
     def __init__(self, model: torch.nn.Module, slots: int, max_len: int) -> None:
-        c = model.config
-        heads = c.num_key_value_heads
-        dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        layers, heads, dim = kv_shape(model.config)
         p = next(model.parameters())
-        shape = (c.num_hidden_layers, slots, max_len, heads, dim)
+        shape = (layers, slots, max_len, heads, dim)
         self.max_len = max_len
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
