@@ -37,25 +37,24 @@ def test_the_probe_stops_before_the_first_count_that_loses_bits() -> None:
     assert _probe(_product(set(range(8, 100)), from_row=7)) == 7  # a row at the end only
 
 
-def _split_sum(weight: torch.Tensor, from_rows: int):
-    """Each row's product in one order, or from `from_rows` rows on as the sum of its two
-    halves' products: a kernel that splits its sum by the row count, as oneDNN's did."""
-    w = weight.float()
-    half = w.shape[1] // 2
-
-    def product(rows: torch.Tensor) -> torch.Tensor:
-        x = rows.float()
-        if len(rows) < from_rows:
-            return torch.stack([r @ w.T for r in x]).to(rows.dtype)
-        return torch.stack([r[:half] @ w[:, :half].T + r[half:] @ w[:, half:].T for r in x]).to(rows.dtype)
-    return product
+def sums_by_row_count(a: torch.Tensor, b: torch.Tensor, split_from: int) -> torch.Tensor:
+    """a @ b (float64) as a kernel that changes its blocking by the row count would give it:
+    exact below `split_from` rows of `a` (no order changes a bf16 result), and as two halves'
+    float32 sums from there on. The stand-in kernel of these tests and test_row_invariant's."""
+    if a.shape[-2] < split_from:
+        return a.double() @ b.double()
+    half, x, w = a.shape[-1] // 2, a.float(), b.float()
+    return (x[..., :half] @ w[..., :half, :] + x[..., half:] @ w[..., half:, :]).double()
 
 
 @pytest.mark.parametrize("shape", [(512, 1536), (48, 64)])
 def test_the_probes_rows_show_a_kernel_that_sums_in_another_order(shape) -> None:
     weight = sensitive_weight(*shape, torch.bfloat16)
-    assert rows_kept(_split_sum(weight, 18), shape[1], torch.bfloat16, INVARIANT_ROWS, MIN_ROWS) == 17
-    assert rows_kept(_split_sum(weight, 99), shape[1], torch.bfloat16, INVARIANT_ROWS, MIN_ROWS) == INVARIANT_ROWS
+    def product(split_from: int):  # type: ignore[no-untyped-def]
+        return lambda rows: sums_by_row_count(rows, weight.T, split_from).to(rows.dtype)
+
+    assert rows_kept(product(18), shape[1], torch.bfloat16, INVARIANT_ROWS, MIN_ROWS) == 17
+    assert rows_kept(product(99), shape[1], torch.bfloat16, INVARIANT_ROWS, MIN_ROWS) == INVARIANT_ROWS
 
 
 def test_a_kernel_that_loses_bits_among_the_fewest_rows_takes_one_row_at_a_time() -> None:
@@ -110,14 +109,8 @@ def test_probes_are_kept_per_shape_and_thread_count(monkeypatch, threads) -> Non
 def test_the_attention_probe_finds_a_product_that_sums_by_row_count(monkeypatch) -> None:
     """Attention's products, probed as attention calls them, under a matmul that sums past 12
     rows in another order."""
-    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if a.shape[-2] <= 12:
-            return (a.double() @ b.double()).to(a.dtype)
-        half = a.shape[-1] // 2
-        return (a[..., :half].float() @ b[..., :half, :].float() + a[..., half:].float() @ b[..., half:, :].float()).to(a.dtype)
-
     row_invariant._attention_rows.cache_clear()
-    monkeypatch.setattr(torch, "matmul", matmul)
+    monkeypatch.setattr(torch, "matmul", lambda a, b: sums_by_row_count(a, b, 13).to(a.dtype))
     try:
         assert row_invariant.attention_rows(2, 128, torch.bfloat16) == 12
     finally:

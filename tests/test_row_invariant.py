@@ -24,6 +24,7 @@ from specsplit.server.loading import LoadedModel, cpu_has_fast_bf16, load_model
 from specsplit.server import row_invariant
 from specsplit.server.row_invariant import (ATTENTION, INVARIANT_ROWS, MIN_ROWS, RowInvariantLinear, make_rows_invariant,
                                             row_invariant_attention)
+from test_kernel_probe import sums_by_row_count
 
 pytestmark = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16; serving stays in fp32 there")
 
@@ -73,15 +74,9 @@ def test_bf16_rows_do_not_depend_on_the_pass() -> None:
 
 
 def _sums_by_row_count(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """A stand-in for the matrix kernel that sums a row in one order up to MIN_ROWS rows (in
-    float64: bf16 results that no order changes) and as two halves' float32 sums past them,
-    as oneDNN's kernel changes its blocking by the row count."""
-    w, half = weight.double(), weight.shape[1] // 2
-    if len(rows) <= MIN_ROWS:
-        out = rows.double() @ w.T
-    else:
-        x, w = rows.float(), w.float()
-        out = (x[:, :half] @ w[:, :half].T + x[:, half:] @ w[:, half:].T).double()
+    """A linear layer's product under a stand-in kernel that sums past MIN_ROWS rows in
+    another order."""
+    out = sums_by_row_count(rows, weight.T, MIN_ROWS + 1)
     return (out if bias is None else out + bias.double()).to(rows.dtype)
 
 
