@@ -285,6 +285,30 @@ def test_a_long_prefill_runs_alone_and_is_not_passed_over() -> None:
     asyncio.run(main())
 
 
+def _open_none(worker: VerificationWorker, sid: str) -> None:
+    req = OpenRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, draft_mode=DraftMode.NONE)
+    worker.add(SessionHandle(ServerSession(req, ServerLimits(1000, 4096), sid), asyncio.Queue(maxsize=8)))
+
+
+@pytest.mark.parametrize("lengths, cfg", [
+    ([2, 2, 100, 2], SchedulerConfig(max_batch_tokens=64)),  # s2 is left out for the token budget
+    ([3] * 4, SchedulerConfig(max_batch_sessions=2)),  # two are left out for the session cap
+])
+def test_sessions_left_out_lead_even_while_new_ones_keep_opening(lengths, cfg) -> None:
+    """A new session goes to the front of the line; one left out of a pass must still lead
+    the next, or an Open a pass (two here, as many as a pass takes) passes it over for good."""
+    async def main() -> None:
+        worker, ids = _ready_worker(lengths, cfg)
+        served: set[str] = set()
+        for r in range(6):  # the sessions never finish: every one stays ready
+            _open_none(worker, f"new{2 * r}")
+            _open_none(worker, f"new{2 * r + 1}")
+            served |= {sh.handle.session.session_id for sh in worker._pick()[0]}
+        assert set(ids) <= served, served
+
+    asyncio.run(main())
+
+
 class _BucketShapes:
     """Pads as the static engine does; no model."""
 
@@ -510,6 +534,66 @@ def test_a_prefill_is_not_held_back_waiting_for_drafts() -> None:
         batch, soonest = worker._pick()
         assert [sh.handle for sh in batch] == [fresh]
         assert soonest is not None and soonest > time.monotonic()  # the other waits for drafts
+
+    asyncio.run(main())
+
+
+def _waiting_for_drafts(cfg: SchedulerConfig) -> tuple[VerificationWorker, SessionHandle]:
+    """A worker whose measured pass times make waiting for drafts pay (CPU-like: 8 drafts
+    cost little more than one step), and an asynchronous session with its prompt cached,
+    holding no drafts."""
+    worker = VerificationWorker(engine=_BucketShapes(), config=cfg)  # type: ignore[arg-type]
+    for n, c in {0: 0.176, 8: 0.204, 16: 0.275}.items():
+        worker.costs.observe(n, c)
+    prompt = (1, 2, 3, 4)
+    h = _async_session(worker, "s", prompt)
+    h.kv.tokens = list(prompt)
+    return worker, h
+
+
+@pytest.mark.parametrize("look_every_s", [0.004, 0.05])
+def test_a_wait_for_drafts_ends_by_max_wait_however_often_the_session_is_looked_at(look_every_s) -> None:
+    """Every pick plans afresh (each other session's draft wakes the worker): the wait is
+    bounded from when it began, not from the latest look, and an edge that sends nothing
+    does not look like one that sends."""
+    async def main() -> None:
+        worker, h = _waiting_for_drafts(SchedulerConfig(max_wait_s=0.5))
+        t0 = now = 1000.0
+        assert worker._ready_at(h, now) > now  # the plan waits for drafts on their way
+        while (at := worker._ready_at(h, now)) > now:
+            now += look_every_s
+            assert now - t0 < 0.5 + look_every_s + 1e-9, "still waiting past max_wait_s"
+        assert at == now
+
+    asyncio.run(main())
+
+
+def test_the_draft_rate_is_measured_over_time_not_over_looks() -> None:
+    async def main() -> None:
+        worker, h = _waiting_for_drafts(SchedulerConfig())
+        now = 1000.0
+        for _ in range(500):  # 2 s of drafts at 20 a second, looked at every 4 ms
+            now += 0.004
+            h.session.drafts_received = round((now - 1000.0) * 20)
+            rate = h.draft_rate(now)
+        assert 18 < rate < 22
+        for _ in range(500):  # then 2 s of nothing
+            now += 0.004
+            rate = h.draft_rate(now)
+        assert rate < 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_the_adaptive_idle_policy_waits_for_drafts_with_fixed_verify_too(adaptive) -> None:
+    """--fixed-verify changes how many drafts a pass takes, not the idle policy: the session
+    waits for drafts as the plan says (up to --max-wait-ms), not --idle-wait-ms."""
+    async def main() -> None:
+        worker, h = _waiting_for_drafts(SchedulerConfig(adaptive=adaptive, idle_wait_s=5.0, max_wait_s=0.3))
+        now = 1000.0
+        at = worker._ready_at(h, now)
+        assert now < at <= now + 0.3
 
     asyncio.run(main())
 

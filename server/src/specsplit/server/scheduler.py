@@ -3,7 +3,8 @@
 Sessions hand it work by holding candidates (or by waiting for an autoregressive
 step). Each round it takes every session that is ready, in round-robin order, into one
 target pass, up to a session count and a token budget (padded tokens: rows times the
-widest); a session left out goes to the front of the next round, so none starves. The
+widest); a session left out leads once it has waited a round, new sessions or not, so none
+starves. The
 pass runs in a worker thread so the event loop keeps moving messages; shortly before it
 is expected to end the next pass is picked (over sessions not in it), it starts as soon
 as the running one ends, and the finished pass's verdicts go into each session's bounded
@@ -46,6 +47,7 @@ from specsplit.server.policy import Explorer, PassCostModel, choose_drafts, choo
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAFT_RATE = 10.0  # drafts per second an edge is assumed to send before it is measured
+RATE_SAMPLE_S = 0.05  # the draft rate's samples are at least this far apart: 32 of them span 1.6 s or more
 PACE_MARGIN = 0.1  # ahead of the pace by more than this share, a session may sit a pass out
 # The next pass is picked this many times the pick's usual host time, plus PICK_MARGIN_S,
 # before the running pass is expected to end (_pick_ahead).
@@ -66,17 +68,24 @@ class SessionHandle:
     stalled: bool = False  # ended because its edge stopped reading (the servicer's reason for the end)
     full_since: float | None = None  # when the outbox last filled up
     budget: int = 0  # drafts the next verification takes, as planned
-    arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far)
+    arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far), RATE_SAMPLE_S apart
+    waiting_since: float | None = None  # when it began waiting for drafts, until its next pass
+    overdue_at: int | None = None  # left out of a pass: the pick from which it leads, until taken (_pick)
     explorer: Explorer = field(default_factory=Explorer)  # verifies drafts now and then when the policy declines them
     sending: bool = True  # False once the edge has half-closed: no drafts will come, so nothing waits for them
     # What its device committed lately, for the pace: the stream's, across its generations (pace.py).
     pace: PaceLog = field(default_factory=lambda: PaceLog(time.monotonic()))
 
     def draft_rate(self, now: float) -> float:
-        """Drafts per second lately received from the edge."""
-        self.arrivals.append((now, self.session.drafts_received))
-        (t0, n0), (t1, n1) = self.arrivals[0], self.arrivals[-1]
-        return (n1 - n0) / (t1 - t0) if t1 - t0 > 0.2 else DEFAULT_DRAFT_RATE
+        """Drafts per second lately received from the edge, up to `now`. Sampled by time, not
+        by call: the scheduler asks at every pick, and hundreds of picks a second (wakes from
+        other sessions' drafts) would fill the samples within a fraction of a second, never
+        measure and keep an edge that stopped sending looking like one that sends."""
+        received = self.session.drafts_received
+        if not self.arrivals or now - self.arrivals[-1][0] >= RATE_SAMPLE_S:
+            self.arrivals.append((now, received))
+        t0, n0 = self.arrivals[0]
+        return (received - n0) / (now - t0) if now - t0 > 0.2 else DEFAULT_DRAFT_RATE
 
 
 @dataclass
@@ -147,12 +156,13 @@ class VerificationWorker:
         self._host_per_visit = 0.0
         self._host_mark = time.thread_time()
         self._began: tuple[float, list[VerifyItem] | None] = (0.0, None)  # the latest pass's start, on the target's thread
+        self._picks = 0  # picks so far: the clock of SessionHandle.overdue_at
 
     def add(self, handle: SessionHandle) -> None:
         """A new session goes to the front of the line: its first pass gives its generation's
         first token, which it would otherwise wait a whole round for (a round of 700 split
         sessions on a GPU is four passes, about 200 ms). Each generation is first once, so
-        the round robin stays fair."""
+        the round robin stays fair, and one left out of passes for a round leads even so (_pick)."""
         self.sessions[handle.session.session_id] = handle
         self._order.appendleft(handle.session.session_id)
         self.notify()
@@ -199,23 +209,39 @@ class VerificationWorker:
         if mode is DraftMode.SYNC:
             # The classic scheme: wait for the k drafts the edge sends, verify them all.
             return now if available else None
-        if self.config.adaptive and self.config.idle_policy == "adaptive" and self._must_feed(h) > 1:
-            # A prefill (or a reconnect's catch-up): the pass costs what the prompt costs, so
-            # drafts waited for would add nothing but delay to the first token.
-            return now
-        if self.config.adaptive and self.config.idle_policy == "adaptive":
-            alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
-            rate = h.draft_rate(now)
-            h.budget, wait = plan(available, limit, alpha, self.costs, rate, self.config.max_wait_s)
-            if wait == 0.0:
-                h.budget = self._explore(h, h.budget, available, limit)
-            else:
-                log.debug("session %s: waits up to %.0f ms for drafts (holds %d, plans %d; acceptance %.2f, "
-                          "%.1f drafts/s)", s.session_id, wait * 1000, available, h.budget, alpha, rate)
-            return now + wait
+        if self.config.idle_policy == "adaptive":
+            return self._adaptive_ready_at(h, now)
         if available or self.config.idle_policy == "ar":
             return now
         return h.idle_since + self.config.idle_wait_s
+
+    def _adaptive_ready_at(self, h: SessionHandle, now: float) -> float:
+        """An asynchronous session under the "adaptive" idle policy: verified now, or once the
+        drafts on their way have come, as the plan says yields more tokens per second, but
+        never more than max_wait_s after it began waiting, however often it is looked at (each
+        look plans afresh). With --fixed-verify the plan still says when; the pass then takes
+        every draft held up to the limit."""
+        s = h.session
+        available, limit = s.candidate_count, self.config.max_verify_tokens
+        if self._must_feed(h) > 1:
+            # A prefill (or a reconnect's catch-up): the pass costs what the prompt costs, so
+            # drafts waited for would add nothing but delay to the first token.
+            return now
+        alpha = acceptance_estimate(s.drafts_accepted, s.rejections)
+        rate = h.draft_rate(now)
+        drafts, wait = plan(available, limit, alpha, self.costs, rate, self.config.max_wait_s)
+        if wait > 0.0:
+            if h.waiting_since is None:
+                h.waiting_since = now
+            deadline = h.waiting_since + self.config.max_wait_s
+            if now < deadline:
+                log.debug("session %s: waits up to %.0f ms for drafts (holds %d, plans %d; acceptance %.2f, "
+                          "%.1f drafts/s)", s.session_id, wait * 1000, available, drafts, alpha, rate)
+                return min(now + wait, deadline)
+            drafts = choose_drafts(available, limit, alpha, self.costs)  # waited its longest: what it holds
+        if self.config.adaptive:
+            h.budget = self._explore(h, drafts, available, limit)
+        return now
 
     def _budget_alone(self, h: SessionHandle) -> int:
         """The drafts a session verifies in a pass of its own: its policy's plan. The
@@ -261,6 +287,12 @@ class VerificationWorker:
         cfg = self.config
         if cfg.pace_tokens_per_s and len(ready) > 1:
             ready = self._pace(ready, now)
+        # The round robin serves a session left out of a pass within a round, but new sessions
+        # go to the front of the line (add): one left out for the budget (a long prompt that
+        # fits no pass beside a new session) or the cap would be passed over for as long as
+        # sessions keep opening. So once it has waited a round's picks it leads, new or not.
+        self._picks += 1
+        ready.sort(key=lambda h: (0, h.overdue_at) if h.overdue_at is not None and h.overdue_at <= self._picks else (1, 0))
         share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
         batch: list[Share] = []
         cuts = cfg.adaptive and self.pass_costs.known() >= 2  # without a cost curve, nothing is cut
@@ -284,10 +316,16 @@ class VerificationWorker:
             batch = self._cut_to_width(batch)
         for share_ in batch:
             share_.handle.explorer.record(len(share_.task.drafts), share_.handle.session.candidate_count)
-        # Round robin: the sessions just taken go to the back of the line.
         taken = [share_.handle.session.session_id for share_ in batch]
+        chosen = set(taken)
+        round_picks = -(-len(ready) // max(1, len(batch)))  # picks the round robin takes to serve every ready session
+        for h in ready:
+            if h.session.session_id in chosen:
+                h.overdue_at = h.waiting_since = None
+            elif h.overdue_at is None:
+                h.overdue_at = self._picks + round_picks
+        # Round robin: the sessions just taken go to the back of the line.
         if taken:
-            chosen = set(taken)
             self._order = deque([*(sid for sid in self._order if sid not in chosen), *taken])
         return batch, soonest
 
