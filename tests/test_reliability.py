@@ -200,6 +200,23 @@ def test_metrics_show_the_limit_the_refusals_and_the_process(tiny, limited) -> N
     assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)  # free for the next test
 
 
+def test_a_full_server_refuses_a_malformed_open_as_malformed(limited) -> None:
+    """Not with RESOURCE_EXHAUSTED, which tells the edge to retry an Open that would fail on
+    any server."""
+    address, metrics, _ = limited
+    held = [HeldSession(address), HeldSession(address)]
+    try:
+        assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 2)
+        assert raw_stream(address, [open_msg([5, 100_000])])[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert raw_stream(address, [open_msg(PROMPT, tokenizer_fingerprint="another")])[0] == \
+            grpc.StatusCode.FAILED_PRECONDITION
+        assert raw_stream(address, [open_msg(PROMPT)])[0] == grpc.StatusCode.RESOURCE_EXHAUSTED  # it is full
+    finally:
+        for h in held:
+            h.close()
+    assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
+
+
 def test_session_limit_is_resource_exhausted_and_a_device_moves_on(tiny, limited, server) -> None:
     """A full server refuses with RESOURCE_EXHAUSTED and gRPC's server pushback (retry after
     1 s); a device given another server opens its generation there after that second."""
