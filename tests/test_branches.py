@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from specsplit.edge.branching import MIN_CHANCE, DraftChoice, choose_branch, draft_choice
 from specsplit.protocol import errors
@@ -207,6 +209,17 @@ def test_draft_choice_reads_top_two_probabilities() -> None:
     c = draft_choice(logits)
     assert (c.token, c.runner_up) == (1, 3)
     assert c.prob == pytest.approx(0.6) and c.runner_up_prob == pytest.approx(0.25)
+
+
+@given(st.lists(st.integers(-2, 2), min_size=2, max_size=12))
+def test_draft_choice_drafts_what_argmax_drafts_and_a_runner_up_beside_it_on_ties(values) -> None:
+    """Small integer logits tie often; a runner-up equal to the draft made the edge's branch
+    refuse itself (a branch's first token must differ) and ended the generation."""
+    logits = np.array(values, dtype=np.float32)
+    c = draft_choice(logits)
+    assert c.token == int(np.argmax(logits))
+    assert c.runner_up != c.token
+    assert logits[c.runner_up] == np.delete(logits, c.token).max()
 
 
 def test_drafter_keeps_the_main_line_cache_while_drafting_a_branch(tiny) -> None:

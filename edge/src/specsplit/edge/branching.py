@@ -34,8 +34,12 @@ class DraftChoice:
 
 
 def draft_choice(logits: np.ndarray) -> DraftChoice:
+    # The draft is np.argmax's pick (proposer.py), the first of tied tokens; argpartition
+    # orders ties as it likes, so the runner-up is whichever of its top two is not that one
+    # (with a tie at the top, a token as likely as the draft).
+    first = int(np.argmax(logits))
     top2 = np.argpartition(-logits, 1)[:2]
-    first, second = (int(top2[0]), int(top2[1])) if logits[top2[0]] >= logits[top2[1]] else (int(top2[1]), int(top2[0]))
+    second = int(top2[1]) if int(top2[0]) == first else int(top2[0])
     z = np.exp(logits - logits[first]).sum()
     return DraftChoice(first, float(1.0 / z), second, float(np.exp(logits[second] - logits[first]) / z))
 
