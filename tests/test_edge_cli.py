@@ -29,7 +29,10 @@ from specsplit.edge.tokenizer import EdgeTokenizer
     (["--temperature", "0.8", "--verification", "greedy"], "--verification greedy is for temperature 0"),
     (["--verification", "sparse-q"], "give a temperature above 0"),  # it would run greedy without a word
     (["--temperature", "-1"], "--temperature must be in [0, 100]"),
-    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--top-k", "-1"], "--top-k must be in [0, 2**32)"),
+    (["--temperature", "1", "--top-k", str(2**32)], "--top-k must be in [0, 2**32)"),  # protobuf's uint32 would refuse it mid-call
+    (["--temperature", "1e-46"], "--temperature 1e-46 is 0 as a 32-bit float"),  # the server would run greedy
+    (["--temperature", "1", "--top-p", "1e-46"], "--top-p 1e-46 is 0 as a 32-bit float"),  # the server would not cut
     (["--server", "a:1,b:2", "--retries", "0"], "leaves no attempt for the last of the 2 servers"),
     (["--timeline"], "--timeline is written to --stats-json"),
     (["--tls-server-name", "server.example"], "--tls-server-name is for TLS: give --tls or --tls-ca too"),

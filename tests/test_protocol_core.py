@@ -1,6 +1,8 @@
 """Deterministic cases of the protocol core: admission, rollback, termination, violations."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specsplit.protocol import errors
@@ -19,6 +21,7 @@ from specsplit.protocol.messages import (
     VerificationMode,
 )
 from specsplit.protocol.server_session import ServerConnection, ServerSession
+from specsplit.protocol.trajectory import draft_end_for
 from protocol_sim import EOS, VOCAB, target_next, task_logits
 
 LIMITS = ServerLimits(vocab_size=VOCAB, max_context=40, max_lookahead=8, max_chunk=6, eos_ids=(EOS,))
@@ -128,6 +131,20 @@ def test_edge_resends_what_the_server_reports_lost() -> None:
     e.apply_verdict(Verdict(start=3, tokens=(1,), accepted=1, proposed=1, candidate_tip=4, chunks_received=1))
     chunk = e.next_chunk()
     assert chunk is not None and chunk.start == 4 and chunk.tokens == (2, 3) and e.resends == 1
+
+
+@pytest.mark.parametrize("max_new, context, drafts", [(1, 100, 0), (2, 100, 1), (4, 100, 3), (8, 100, 6), (8, 6, 2)])
+def test_the_edge_drafts_nothing_the_server_would_not_verify(max_new, context, drafts) -> None:
+    """The last token of a generation (or of the context) is always the target's: a draft
+    there, or past it, is drafting thrown away. Both sides count where that starts alike."""
+    end = draft_end_for(len(PROMPT), max_new, context)
+    e = EdgeSession(PROMPT, window=6, draft_end=end)
+    while e.room() > 0:
+        e.push_draft(1)
+    assert e.speculative == drafts
+    s = ServerSession(OpenRequest(prompt_ids=PROMPT, max_new_tokens=max_new),
+                      dataclasses.replace(LIMITS, max_context=context))
+    assert e.speculative == min(e.window, s.draft_room)  # the server verifies every one the edge drafts
 
 
 def test_edge_rejects_out_of_order_verdict() -> None:
@@ -292,6 +309,8 @@ def test_oversize_prompt() -> None:
         SamplingParams(temperature=float("nan")),
         SamplingParams(temperature=1.0, top_p=1.5),
         SamplingParams(temperature=1.0, top_k=-3),
+        SamplingParams(temperature=1.0, top_k=2**32),  # the wire's field has 32 bits
+        SamplingParams(temperature=1e-46),  # 0 on the wire: greedy to the server, sampled to the edge
     ],
 )
 def test_absurd_sampling_values(sampling) -> None:

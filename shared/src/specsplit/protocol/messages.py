@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
 
 from specsplit.protocol.errors import InvalidOpen
@@ -59,8 +60,12 @@ class SamplingParams:
             return "temperature", f"must be in [0, 100], got {self.temperature}"
         if not math.isfinite(self.top_p) or not 0.0 <= self.top_p <= 1.0:
             return "top_p", f"must be in [0, 1], got {self.top_p}"
-        if self.top_k < 0:
-            return "top_k", f"must be >= 0, got {self.top_k}"
+        for name in ("temperature", "top_p"):  # floats of 32 bits on the wire
+            value = getattr(self, name)
+            if value > 0 and struct.unpack("f", struct.pack("f", value))[0] == 0:
+                return name, f"{value} is 0 as a 32-bit float, as the server reads it: use 0 or a larger value"
+        if not 0 <= self.top_k < 2**32:
+            return "top_k", f"must be in [0, 2**32), got {self.top_k}"
         if not 0 <= self.seed < 2**64:
             return "seed", f"must fit in 64 unsigned bits, got {self.seed}"
         return None
