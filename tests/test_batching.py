@@ -568,6 +568,18 @@ def test_a_wait_for_drafts_ends_by_max_wait_however_often_the_session_is_looked_
     asyncio.run(main())
 
 
+def test_a_generation_at_its_last_token_does_not_wait_for_drafts() -> None:
+    """Its last token is the target's own whatever is drafted (and the edge drafts nothing
+    there): a wait would be pure delay."""
+    async def main() -> None:
+        worker, h = _waiting_for_drafts(SchedulerConfig())
+        assert worker._ready_at(h, 1000.0) > 1000.0  # 8 new tokens to go: it waits
+        h.session.max_new = 1
+        assert h.session.draft_room == 0 and worker._ready_at(h, 1000.0) == 1000.0
+
+    asyncio.run(main())
+
+
 def test_the_draft_rate_is_measured_over_time_not_over_looks() -> None:
     async def main() -> None:
         worker, h = _waiting_for_drafts(SchedulerConfig())

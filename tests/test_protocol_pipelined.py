@@ -21,6 +21,7 @@ from specsplit.protocol.hashing import mix
 from specsplit.protocol.messages import Done, OpenRequest, SamplingParams, ServerLimits, Verdict
 from specsplit.protocol.sampling import position_rng, process_logits, sample_from
 from specsplit.protocol.server_session import ServerConnection, ServerSession, VerifyTask
+from specsplit.protocol.trajectory import draft_end_for
 
 VOCAB = 11
 EOS = 0
@@ -70,6 +71,7 @@ class Run:
     alpha: float
     rnd: random.Random
     window: int
+    capped: bool = False  # the edge drafts nothing past the draft end (as the real edge's async mode)
     edge: EdgeSession = field(init=False)
     conn: ServerConnection = field(init=False)
     up: deque = field(default_factory=deque)
@@ -81,7 +83,8 @@ class Run:
     def __post_init__(self) -> None:
         self.limits = ServerLimits(vocab_size=VOCAB, max_context=self.context, max_lookahead=self.window + 2,
                                    eos_ids=(EOS,))
-        self.edge = EdgeSession(self.prompt, self.window)
+        end = draft_end_for(len(self.prompt), self.max_new, self.context) if self.capped else None
+        self.edge = EdgeSession(self.prompt, self.window, draft_end=end)
         self.open()
 
     def open(self) -> None:
@@ -100,6 +103,7 @@ class Run:
                 edge.push_draft(self.draft_after(edge.tokens))
         elif action < 0.35:
             if chunk := edge.next_chunk(rnd.randint(1, 5)):
+                assert edge.draft_end is None or chunk.start + len(chunk.tokens) <= edge.draft_end
                 self.up.append(chunk)
         elif action < 0.40:
             if free and edge.sent_len > edge.committed_len and not edge.branches:
@@ -180,13 +184,14 @@ class Run:
     stop=st.lists(st.integers(1, VOCAB - 1), max_size=2, unique=True),
     alpha=st.sampled_from([0.0, 0.5, 0.8, 1.0]),
     schedule=st.integers(0, 2**32 - 1),
+    capped=st.booleans(),
 )
 def test_pipelined_verification_commits_the_targets_own_text(prompt, max_new, window, context, sampled, temperature,
-                                                            top_p, top_k, seed, stop, alpha, schedule) -> None:
+                                                            top_p, top_k, seed, stop, alpha, schedule, capped) -> None:
     if len(prompt) >= context:
         return  # refused at Open: the prompt leaves no room
     params = SamplingParams(temperature, top_p, top_k, seed) if sampled else SamplingParams()
-    run = Run(prompt, max_new, context, params, tuple(stop), alpha, random.Random(schedule), window)
+    run = Run(prompt, max_new, context, params, tuple(stop), alpha, random.Random(schedule), window, capped)
     fair = [0.05, 0.3, 0.5, 0.6, 0.7, 0.9]  # after the random part: draft, send, deliver, verify, apply, in turn
     for step in range(3000):
         if run.edge.done is not None:

@@ -34,6 +34,7 @@ from specsplit.edge.stream import GenerateStream
 from specsplit.protocol import codec
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import MAX_CHUNK, Done, Opened, OpenRequest, Verdict, VerificationMode
+from specsplit.protocol.trajectory import draft_end_for
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,10 @@ class Attempt:
                     log.warning("sync: k %d is past what the server takes at once; drafting %d per round",
                                 self.cfg.k, self._k)
             window = self._k if self.cfg.mode == "sync" else self._lookahead()
-            self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids)
+            # Sync drafts its k each round even at the end: the server verifies once drafts come.
+            end = None if self.cfg.mode == "sync" else \
+                draft_end_for(len(self.prompt_ids), self.cfg.max_new_tokens, opened.max_context)
+            self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids, end)
             drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
             reading = asyncio.create_task(self._read_loop(stream.call, t0))
             if drafting is not None:
@@ -368,10 +372,14 @@ class Attempt:
 
     def _branch_room(self, start: int) -> int:
         """The longest a branch from `start` may be: --branch-tokens, not past the server's
-        lookahead limit, and one chunk (a branch goes out whole each time it grows)."""
+        lookahead limit or the draft end, and one chunk (a branch goes out whole each time it
+        grows)."""
         edge = self.edge
         assert edge is not None
-        return min(self.cfg.branch_tokens, edge.committed_len + self._server_lookahead - start, MAX_CHUNK)
+        end = edge.committed_len + self._server_lookahead
+        if edge.draft_end is not None:
+            end = min(end, edge.draft_end)
+        return min(self.cfg.branch_tokens, end - start, MAX_CHUNK)
 
     def _branch_due(self, branch: tuple[int, tuple[int, ...]]) -> bool:
         """Whether the next drafting step should grow `branch`: while it is shorter than the

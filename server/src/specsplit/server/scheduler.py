@@ -200,7 +200,8 @@ class VerificationWorker:
                 return None
             return h.full_since + self.config.stalled_edge_s + 0.01  # look again then
         h.full_since = None
-        limit = self.config.max_verify_tokens
+        # Near its end a generation takes fewer drafts than the limit: none are waited for there.
+        limit = min(self.config.max_verify_tokens, s.draft_room)
         available = s.candidate_count
         mode = s.request.draft_mode
         h.budget = min(available, limit)
@@ -222,7 +223,7 @@ class VerificationWorker:
         look plans afresh). With --fixed-verify the plan still says when; the pass then takes
         every draft held up to the limit."""
         s = h.session
-        available, limit = s.candidate_count, self.config.max_verify_tokens
+        available, limit = s.candidate_count, min(self.config.max_verify_tokens, s.draft_room)
         if self._must_feed(h) > 1:
             # A prefill (or a reconnect's catch-up): the pass costs what the prompt costs, so
             # drafts waited for would add nothing but delay to the first token.

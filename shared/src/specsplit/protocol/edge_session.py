@@ -21,13 +21,17 @@ from specsplit.protocol.trajectory import Trajectory
 
 
 class EdgeSession:
-    def __init__(self, prompt_ids: Sequence[int], window: int, committed_ids: Sequence[int] = ()) -> None:
+    def __init__(self, prompt_ids: Sequence[int], window: int, committed_ids: Sequence[int] = (),
+                 draft_end: int | None = None) -> None:
+        """`draft_end`: the trajectory's length past which no draft is drafted, where the
+        server would verify none (its generation or context ends; None: no such end)."""
         if window < 1:
             raise ValueError("the lookahead window must be at least 1")
         if len(prompt_ids) == 0:
             raise ValueError("a generation needs a prompt")
         self.prompt_len = len(prompt_ids)
         self.window = window
+        self.draft_end = draft_end
         self._line = Trajectory([*prompt_ids, *committed_ids])
         self.sent_len = self.committed_len
         self._chunks_sent = 0
@@ -66,8 +70,12 @@ class EdgeSession:
         return self._line.speculative
 
     def room(self) -> int:
-        """How many more tokens may be drafted before a verdict opens the window."""
-        return 0 if self.done is not None else self.window - self.speculative
+        """How many more tokens may be drafted before a verdict opens the window (or, near
+        the draft end, before the generation's last tokens come as verdicts)."""
+        if self.done is not None:
+            return 0
+        room = self.window - self.speculative
+        return room if self.draft_end is None else min(room, self.draft_end - len(self._line))
 
     # -- drafting and sending --------------------------------------------------
 

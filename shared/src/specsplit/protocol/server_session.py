@@ -38,7 +38,7 @@ from specsplit.protocol.messages import (
     Verdict,
     VerificationMode,
 )
-from specsplit.protocol.trajectory import Trajectory
+from specsplit.protocol.trajectory import Trajectory, draft_end_for
 from specsplit.protocol.verification import verify
 
 MAX_BRANCHES = 8  # branches a session keeps aside; a newer one pushes out the oldest
@@ -288,14 +288,18 @@ class ServerSession:
 
     # -- verification ----------------------------------------------------------
 
+    @property
+    def draft_room(self) -> int:
+        """The most drafts the next verification may take: its last token is the target's own,
+        within max_new_tokens and the context (draft_end_for, past which an edge drafts nothing)."""
+        return max(0, draft_end_for(self.prompt_len, self.max_new, self.limits.max_context) - self.committed_len)
+
     def next_task(self, max_drafts: int) -> VerifyTask | None:
         """The next verification: up to max_drafts candidates, or an AR step if none; with
         the branches that stand beside them."""
         if self.done is not None:
             return None
-        remaining_new = self.max_new - (self.committed_len - self.prompt_len)
-        room = self.limits.max_context - self.committed_len
-        n = max(0, min(max_drafts, self._line.speculative, remaining_new - 1, room - 1))
+        n = max(0, min(max_drafts, self._line.speculative, self.draft_room))
         start = self.committed_len
         dists = tuple(self._line.dists(start, start + n)) if self.mode is VerificationMode.SPARSE_Q else ()
         drafts = tuple(self._line.tokens[start : start + n])

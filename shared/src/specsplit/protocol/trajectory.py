@@ -74,3 +74,9 @@ class Trajectory:
         del self._dists[: len(new)]
         self.committed_len += len(new)
         return agree
+
+
+def draft_end_for(prompt_len: int, max_new_tokens: int, max_context: int) -> int:
+    """The trajectory length past which a server verifies no draft: a generation's last token,
+    like the context's, is always the target's own (a correction or a bonus)."""
+    return min(prompt_len + max_new_tokens - 1, max_context - 1)
