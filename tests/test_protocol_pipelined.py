@@ -138,8 +138,11 @@ class Run:
         if first == self.edge.tokens[start]:
             return
         branch = [first]
+        end = self.edge.committed_len + self.limits.max_lookahead
+        if self.edge.draft_end is not None:
+            end = min(end, self.edge.draft_end)  # as the real edge keeps its branches (attempt._branch_room)
         for _ in range(self.rnd.randint(0, 4)):
-            if start + len(branch) >= self.edge.committed_len + self.limits.max_lookahead:
+            if start + len(branch) >= end:
                 break
             branch.append(self.draft_after(tokens + branch))
         self.up.append(self.edge.branch_chunk(start, branch))
