@@ -214,6 +214,8 @@ class ServerSession:
         if len(dist.ids) > MAX_DIST_IDS:  # validated, and searched, on the server's loop
             raise errors.MalformedDraft(f"a draft distribution of {len(dist.ids)} ids exceeds the limit of {MAX_DIST_IDS}")
         _check_ids(dist.ids, self.limits.vocab_size, "draft distribution")
+        if len(set(dist.ids)) != len(dist.ids):  # q(x) would be read one way and p - q another
+            raise errors.MalformedDraft("a draft distribution names a token id twice")
         if not all(math.isfinite(p) and 0.0 < p <= 1.0 for p in dist.probs):
             raise errors.MalformedDraft("draft probabilities must lie in (0, 1]")
         if sum(dist.probs) > 1.0 + 1e-3:
