@@ -30,8 +30,8 @@ proto: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The tests against the oldest transformers, onnx, onnxscript and ONNX Runtime the server's
-# pyproject.toml admits (constraints-oldest.txt), in a venv of their own: about 10 minutes.
+# The tests against the oldest transformers, onnx, onnxscript, ONNX Runtime and numpy the
+# pyproject.toml files admit (constraints-oldest.txt), in a venv of their own: about 10 minutes.
 OLDEST_VENV ?= .venv-oldest
 test-oldest:
 	$(PYTHON) -m venv $(OLDEST_VENV)

@@ -203,14 +203,17 @@ def test_warm_up_leaves_no_session_behind(tiny) -> None:
     warm_up(TargetEngine(loaded))  # the dynamic engine keeps nothing to give back; it must just run
 
 
+def _open_none(worker: VerificationWorker, sid: str, prompt_length: int = 3) -> None:
+    """A server-only session with a prompt of `prompt_length` tokens, added to `worker`."""
+    req = OpenRequest(prompt_ids=tuple(range(1, prompt_length + 1)), max_new_tokens=8, draft_mode=DraftMode.NONE)
+    worker.add(SessionHandle(ServerSession(req, ServerLimits(1000, 4096), sid), asyncio.Queue(maxsize=8)))
+
+
 def _ready_worker(prompt_lengths: list[int], cfg: SchedulerConfig) -> tuple[VerificationWorker, list[str]]:
     worker = VerificationWorker(engine=None, config=cfg)  # type: ignore[arg-type]
-    ids = []
-    for i, n in enumerate(prompt_lengths):
-        req = OpenRequest(prompt_ids=tuple(range(1, n + 1)), max_new_tokens=8, draft_mode=DraftMode.NONE)
-        session = ServerSession(req, ServerLimits(1000, 4096), f"s{i}")
-        worker.add(SessionHandle(session, asyncio.Queue(maxsize=8)))
-        ids.append(f"s{i}")
+    ids = [f"s{i}" for i in range(len(prompt_lengths))]
+    for sid, n in zip(ids, prompt_lengths):
+        _open_none(worker, sid, n)
     return worker, ids
 
 
@@ -247,8 +250,7 @@ def test_a_new_session_leads_the_next_pass() -> None:
     async def main() -> None:
         worker, ids = _ready_worker([3] * 4, SchedulerConfig(max_batch_sessions=2))
         worker._pick()
-        req = OpenRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, draft_mode=DraftMode.NONE)
-        worker.add(SessionHandle(ServerSession(req, ServerLimits(1000, 4096), "new"), asyncio.Queue(maxsize=8)))
+        _open_none(worker, "new")
         assert worker._pick()[0][0].handle.session.session_id == "new"
 
     asyncio.run(main())
@@ -283,11 +285,6 @@ def test_a_long_prefill_runs_alone_and_is_not_passed_over() -> None:
         assert second == ["s2"]  # it leads the next round, alone: over budget by itself
 
     asyncio.run(main())
-
-
-def _open_none(worker: VerificationWorker, sid: str) -> None:
-    req = OpenRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, draft_mode=DraftMode.NONE)
-    worker.add(SessionHandle(ServerSession(req, ServerLimits(1000, 4096), sid), asyncio.Queue(maxsize=8)))
 
 
 @pytest.mark.parametrize("lengths, cfg", [

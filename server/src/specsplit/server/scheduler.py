@@ -211,19 +211,18 @@ class VerificationWorker:
             # The classic scheme: wait for the k drafts the edge sends, verify them all.
             return now if available else None
         if self.config.idle_policy == "adaptive":
-            return self._adaptive_ready_at(h, now)
+            return self._adaptive_ready_at(h, now, available, limit)
         if available or self.config.idle_policy == "ar":
             return now
         return h.idle_since + self.config.idle_wait_s
 
-    def _adaptive_ready_at(self, h: SessionHandle, now: float) -> float:
+    def _adaptive_ready_at(self, h: SessionHandle, now: float, available: int, limit: int) -> float:
         """An asynchronous session under the "adaptive" idle policy: verified now, or once the
         drafts on their way have come, as the plan says yields more tokens per second, but
         never more than max_wait_s after it began waiting, however often it is looked at (each
         look plans afresh). With --fixed-verify the plan still says when; the pass then takes
         every draft held up to the limit."""
         s = h.session
-        available, limit = s.candidate_count, min(self.config.max_verify_tokens, s.draft_room)
         if self._must_feed(h) > 1:
             # A prefill (or a reconnect's catch-up): the pass costs what the prompt costs, so
             # drafts waited for would add nothing but delay to the first token.
@@ -293,7 +292,10 @@ class VerificationWorker:
         # fits no pass beside a new session) or the cap would be passed over for as long as
         # sessions keep opening. So once it has waited a round's picks it leads, new or not.
         self._picks += 1
-        ready.sort(key=lambda h: (0, h.overdue_at) if h.overdue_at is not None and h.overdue_at <= self._picks else (1, 0))
+        overdue = sorted((h for h in ready if h.overdue_at is not None and h.overdue_at <= self._picks),
+                         key=lambda h: h.overdue_at)
+        if overdue:
+            ready = [*overdue, *(h for h in ready if h.overdue_at is None or h.overdue_at > self._picks)]
         share = max(1, cfg.max_batch_tokens // min(len(ready), cfg.max_batch_sessions) - 1) if ready else 0
         batch: list[Share] = []
         cuts = cfg.adaptive and self.pass_costs.known() >= 2  # without a cost curve, nothing is cut

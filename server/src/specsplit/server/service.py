@@ -17,7 +17,7 @@ from specsplit.common.address import bracketed
 from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Close, Done, Opened, OpenRequest, ServerLimits, Verdict
-from specsplit.protocol.server_session import ServerConnection, validate_open
+from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, bearer_token
 from specsplit.server.config import SchedulerConfig, ServeConfig
 from specsplit.server.engine import Engine
@@ -87,8 +87,11 @@ class SpecSplitService:
                 except DecodeError:
                     raise errors.MalformedMessage("message does not parse as a specsplit.v1.EdgeMessage") from None
                 event = codec.edge_from_pb(msg)
-                if isinstance(event, OpenRequest) and conn.idle:
-                    validate_open(event, self.limits)  # a malformed Open is refused as such, full server or not
+                opening = isinstance(event, OpenRequest) and conn.idle
+                # An Open is validated here, before admission: a malformed one is refused as
+                # such, full server or not, not with a status the edge would retry.
+                out = conn.receive(event)
+                if opening:
                     if self.draining:
                         self.metrics.sessions_refused.labels("draining").inc()
                         raise errors.ServerDraining("server is shutting down; open the session on another server")
@@ -97,7 +100,6 @@ class SpecSplitService:
                         raise errors.ServerBusy(
                             f"server holds its limit of {self.cfg.max_sessions} sessions; retry later"
                         )
-                out = conn.receive(event)
                 for item in out:
                     await outbox.put(item)
                 if any(isinstance(item, Opened) for item in out):

@@ -71,47 +71,12 @@ def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
             raise errors.TokenOutOfVocab(f"{what} holds token id {t} outside the vocabulary [0, {vocab_size})")
 
 
-def validate_open(req: OpenRequest, limits: ServerLimits) -> VerificationMode:
-    """The Open's verification mode, or the ProtocolError that refuses it. Called before
-    admission too, so that a full server refuses a malformed Open as malformed, not as busy
-    (which the edge would retry)."""
-    if limits.tokenizer_fingerprint and req.tokenizer_fingerprint != limits.tokenizer_fingerprint:
-        raise errors.FingerprintMismatch(
-            f"tokenizer of draft model {req.draft_model or '(unnamed)'} "
-            f"(fingerprint {req.tokenizer_fingerprint or 'none'}) differs from the tokenizer of target "
-            f"model {limits.target_model or '(unnamed)'} (fingerprint {limits.tokenizer_fingerprint})"
-        )
-    if not req.prompt_ids:
-        raise errors.InvalidOpen("prompt_ids is empty: send at least one token")
-    # Lengths first: what follows walks the ids, on the server's event loop.
-    if len(req.prompt_ids) >= limits.max_context:
-        raise errors.PromptTooLong(
-            f"prompt of {len(req.prompt_ids)} tokens leaves no room in the target's context of {limits.max_context}"
-        )
-    if len(req.committed_ids) > limits.max_new_tokens:  # they count toward max_new_tokens
-        raise errors.InvalidOpen(f"committed_ids of {len(req.committed_ids)} tokens exceed this server's "
-                                 f"max_new_tokens limit of {limits.max_new_tokens}")
-    if len(req.stop_ids) > MAX_STOP_IDS:  # each committed token is looked up in them
-        raise errors.InvalidOpen(f"{len(req.stop_ids)} stop ids exceed the limit of {MAX_STOP_IDS}")
-    _check_ids(req.prompt_ids, limits.vocab_size, "prompt_ids")
-    _check_ids(req.committed_ids, limits.vocab_size, "committed_ids")
-    _check_ids(req.stop_ids, limits.vocab_size, "stop_ids")
-    req.sampling.validate()
-    if req.max_new_tokens <= 0:
-        raise errors.InvalidOpen("max_new_tokens must be at least 1")
-    if req.max_new_tokens > limits.max_new_tokens:
-        raise errors.InvalidOpen(
-            f"max_new_tokens {req.max_new_tokens} exceeds this server's limit of {limits.max_new_tokens}"
-        )
-    return req.resolved_mode()
-
-
 class ServerSession:
     def __init__(self, request: OpenRequest, limits: ServerLimits, session_id: str = "") -> None:
         self.session_id = session_id
         self.request = request
         self.limits = limits
-        self.mode = validate_open(request, limits)
+        self.mode = self._validate_open(request, limits)
         self.prompt_len = len(request.prompt_ids)
         self.max_new = request.max_new_tokens
         self._line = Trajectory(request.prompt_ids + request.committed_ids)
@@ -135,6 +100,37 @@ class ServerSession:
             if reason is not None:
                 self.done = Done(reason, self.committed_len)
 
+    @staticmethod
+    def _validate_open(req: OpenRequest, limits: ServerLimits) -> VerificationMode:
+        if limits.tokenizer_fingerprint and req.tokenizer_fingerprint != limits.tokenizer_fingerprint:
+            raise errors.FingerprintMismatch(
+                f"tokenizer of draft model {req.draft_model or '(unnamed)'} "
+                f"(fingerprint {req.tokenizer_fingerprint or 'none'}) differs from the tokenizer of target "
+                f"model {limits.target_model or '(unnamed)'} (fingerprint {limits.tokenizer_fingerprint})"
+            )
+        if not req.prompt_ids:
+            raise errors.InvalidOpen("prompt_ids is empty: send at least one token")
+        # Lengths first: what follows walks the ids, on the server's event loop.
+        if len(req.prompt_ids) >= limits.max_context:
+            raise errors.PromptTooLong(
+                f"prompt of {len(req.prompt_ids)} tokens leaves no room in the target's context of {limits.max_context}"
+            )
+        if len(req.committed_ids) > limits.max_new_tokens:  # they count toward max_new_tokens
+            raise errors.InvalidOpen(f"committed_ids of {len(req.committed_ids)} tokens exceed this server's "
+                                     f"max_new_tokens limit of {limits.max_new_tokens}")
+        if len(req.stop_ids) > MAX_STOP_IDS:  # each committed token is looked up in them
+            raise errors.InvalidOpen(f"{len(req.stop_ids)} stop ids exceed the limit of {MAX_STOP_IDS}")
+        _check_ids(req.prompt_ids, limits.vocab_size, "prompt_ids")
+        _check_ids(req.committed_ids, limits.vocab_size, "committed_ids")
+        _check_ids(req.stop_ids, limits.vocab_size, "stop_ids")
+        req.sampling.validate()
+        if req.max_new_tokens <= 0:
+            raise errors.InvalidOpen("max_new_tokens must be at least 1")
+        if req.max_new_tokens > limits.max_new_tokens:
+            raise errors.InvalidOpen(
+                f"max_new_tokens {req.max_new_tokens} exceeds this server's limit of {limits.max_new_tokens}"
+            )
+        return req.resolved_mode()
 
     # -- views -----------------------------------------------------------------
 
