@@ -5,7 +5,7 @@ other `delay` seconds later, and no faster than `rate` allows (a chunk occupies 
 link for len * 8 / rate seconds, in order). Each direction is one link, shared by every
 connection through the proxy, as one network path is. A side that half-closes has all it
 sent delivered before the other side sees the end. The proxy can also be paused, to stall
-the network without closing connections.
+the network without closing connections, or cut, to close them all.
 """
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ class NetemProxy:
 
     def resume(self) -> None:
         self._running.set()
+
+    def cut(self) -> None:
+        """Close every connection through the proxy at once, as a lost link ends them; the proxy
+        still takes new ones."""
+        for t in list(self._tasks):
+            t.cancel()
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._server = await asyncio.start_server(self._handle, host, port)

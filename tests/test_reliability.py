@@ -3,6 +3,7 @@ TLS and tokens, metrics, shutdown, server loss. Real server processes, tiny mode
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from conftest import free_port, launch_server
 from specsplit.edge import cli as edge_cli
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
+from specsplit.edge.retry import RETRY_SPREAD
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.protocol.hashing import HashedSequence
@@ -475,6 +477,44 @@ def test_stalled_network_recovers_or_fails_unavailable(tiny, server) -> None:
         asyncio.run(main(resume_after=None))
     assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     assert time.monotonic() - started < 60
+
+
+def test_a_link_that_drops_again_and_again_costs_no_generation_that_goes_on(tiny, server, caplog) -> None:
+    """The link cut three times, each after the re-open before it committed tokens: --retries
+    bounds re-opens in a row that commit nothing, so one retry is enough, and each re-open
+    waits the least backoff again (before: the second cut ended the generation, and the
+    backoff doubled at each)."""
+    from netem_proxy import LinkConfig, NetemProxy
+
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode("The quick brown fox")
+    want = reference(str(tiny.target_dir), ids, 40)
+    assert len(want) > 12  # past the last cut
+    host, port = server.rsplit(":", 1)
+    backoff = 0.05
+
+    async def main():  # type: ignore[no-untyped-def]
+        proxy = NetemProxy(host, int(port), LinkConfig())
+        address = f"127.0.0.1:{await proxy.start()}"
+        cuts = [4, 8, 12]
+
+        def on_commit(generated: list[int]) -> None:
+            if cuts and len(generated) >= cuts[0]:
+                cuts.pop(0)
+                proxy.cut()
+
+        try:
+            return await generate(address, ids, EdgeConfig(max_new_tokens=40, mode="none"),
+                                  fingerprint=tok.fingerprint, on_commit=on_commit,
+                                  connect=ConnectOptions(retries=1, backoff_s=backoff, stall_timeout_s=10))
+        finally:
+            await proxy.close()
+
+    with caplog.at_level(logging.WARNING, logger="specsplit.edge.client"):
+        result = asyncio.run(main())
+    assert result.tokens == want and result.stats.reconnects == 3
+    waits = [r.args[1] for r in caplog.records if r.msg.startswith("generation interrupted")]
+    assert len(waits) == 3 and max(waits) <= backoff * RETRY_SPREAD
 
 
 LIBRARY_LINES = """

@@ -317,9 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the name the server's certificate holds, where --server dials it by another (an IP address)")
     g.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
     g.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
-    g.add_argument("--retries", type=int, default=ConnectOptions.retries, help="re-opens after a lost server or stream, or a full one that says when to "
-                   "try again (resumes, on the next --server if there are several: a failover is a retry, so give "
-                   "at least one fewer than the servers)")
+    g.add_argument("--retries", type=int, default=ConnectOptions.retries, help="re-opens in a row after a lost server or stream, or a full one that says when "
+                   "to try again (resumes, on the next --server if there are several: a failover is a retry, so give "
+                   "at least one fewer than the servers); an attempt that committed tokens starts the count and "
+                   "the backoff over")
     g.add_argument("--stall-timeout", type=float, default=ConnectOptions.stall_timeout_s,
                    help="seconds without a message from the server before the stream counts as lost")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")

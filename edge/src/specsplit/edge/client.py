@@ -80,13 +80,17 @@ async def generate(
             raise ValueError(f"{name} must be a str, got {value!r}")
     if isinstance(via, Sequence):
         connect.check_servers(len(via))
-    backoff = connect.backoff_s
     servers = via.servers if isinstance(via, GenerateStream) else 1 if isinstance(via, grpc.aio.Channel) else len(via)
     record = Record(GenerationStats(mode=cfg.mode), resumed=len(committed))
+    # --retries bounds the re-opens in a row that commit nothing, and the backoff starts over
+    # after an attempt that committed something: a long generation over a link that drops
+    # now and then must not run out of retries, nor wait 8 s after each drop, for the drops
+    # it already came through. Each re-open that goes on commits a token, so this ends.
+    backoff, failures, reopens = connect.backoff_s, 0, 0
     # A kept stream is the generation's from its first attempt to its last: another one
     # taking it during a retry's backoff would leave the retry nothing to re-open on.
     with via.carrying() if isinstance(via, GenerateStream) else contextlib.nullcontext():
-        for attempt in range(connect.retries + 1):
+        while True:
             gen = Attempt(drafter, prompt_ids, cfg, fingerprint, draft_model, committed, on_commit, record, connect)
             try:
                 if isinstance(via, GenerateStream):
@@ -94,25 +98,27 @@ async def generate(
                 elif isinstance(via, grpc.aio.Channel):
                     result = await _on_own_call(gen, via)
                 else:
-                    async with open_channel(via[attempt % len(via)], connect) as ch:
+                    async with open_channel(via[reopens % len(via)], connect) as ch:
                         result = await _on_own_call(gen, ch)
-                result.stats.reconnects = attempt
+                result.stats.reconnects = reopens
                 return result
             except (grpc.aio.AioRpcError, StreamStalled, ConnectionError) as exc:
-                least = retry_delay(exc, backoff, servers)
-                if least is None or attempt == connect.retries:
-                    raise
-                delay = spread(least)
-                if gen.edge is not None:
+                if gen.edge is not None and len(gen.edge.generated) > len(committed):
                     committed = gen.edge.generated  # includes what earlier attempts committed
+                    backoff, failures = connect.backoff_s, 0
+                least = retry_delay(exc, backoff, servers)
+                if least is None or failures == connect.retries:
+                    raise
+                failures += 1
+                reopens += 1
+                delay = spread(least)
                 if isinstance(via, GenerateStream):
                     via.fail_over()
                 # A retry can take seconds (backoff doubles up to 8 s): say so, or a device looks hung.
-                log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d)",
-                            describe(exc), delay, attempt + 1, connect.retries)
+                log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d in a row)",
+                            describe(exc), delay, failures, connect.retries)
                 await asyncio.sleep(delay)
                 backoff = min(backoff * 2, 8.0)
-    raise AssertionError("the retry loop returns or raises")
 
 
 async def _on_own_call(gen: Attempt, channel: grpc.aio.Channel) -> GenerationResult:

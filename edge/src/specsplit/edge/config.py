@@ -46,8 +46,10 @@ class ConnectOptions:
     tls_server_name: str | None = None
     token: str | None = None  # bearer token sent as `authorization` metadata
     stall_timeout_s: float | None = 60.0  # no message for this long: the stream is treated as dead
-    retries: int = 5  # re-opens after a lost server or stream, cycling through the addresses given
-    backoff_s: float = 0.5  # doubled after each failed attempt, up to 8 s
+    # Re-opens in a row after a lost server or stream, cycling through the addresses given; an
+    # attempt that committed tokens starts the count (and the backoff) over.
+    retries: int = 5
+    backoff_s: float = 0.5  # doubled after each failed attempt, up to 8 s; back to this after progress
 
     def __post_init__(self) -> None:
         # gRPC metadata carries printable ASCII only; any other token fails every call with
