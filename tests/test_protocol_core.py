@@ -384,3 +384,14 @@ def test_an_open_is_refused_by_its_lengths_before_its_ids_are_walked() -> None:
         ServerSession(OpenRequest((1, 2), 4, committed_ids=(1,) * 33), limits)
     with pytest.raises(errors.PromptTooLong, match="prompt of 64 tokens"):
         ServerSession(OpenRequest((1,) * 63 + (10**6,), 4), limits)  # too long, before its bad id is seen
+
+
+def test_a_done_reason_this_side_does_not_know_is_a_protocol_error() -> None:
+    """A newer server's reason: the edge's callers handle ProtocolError (before: a bare ValueError)."""
+    from specsplit.protocol import codec
+    from specsplit.v1 import specsplit_pb2 as pb
+
+    known = codec.server_from_pb(pb.ServerMessage(done=pb.Done(reason=int(DoneReason.EOS), committed_length=3)))
+    assert known.reason is DoneReason.EOS
+    with pytest.raises(errors.ProtocolError, match="unknown done reason 99"):
+        codec.server_from_pb(pb.ServerMessage(done=pb.Done(reason=99, committed_length=3)))

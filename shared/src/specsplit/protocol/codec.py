@@ -24,11 +24,12 @@ EdgeEvent = OpenRequest | DraftChunk | Close
 ServerEvent = Opened | Verdict | Done
 
 
-def _enum(enum_cls, value: int, what: str):  # type: ignore[no-untyped-def]
+def _enum(enum_cls, value: int, what: str, error: type[ProtocolError] = InvalidOpen):  # type: ignore[no-untyped-def]
+    """`value` as `enum_cls`, or `error` for a value this side does not know (a newer peer's)."""
     try:
         return enum_cls(value)
     except ValueError:
-        raise InvalidOpen(f"unknown {what} {value}") from None
+        raise error(f"unknown {what} {value}") from None
 
 
 def open_to_pb(req: OpenRequest) -> pb.EdgeMessage:
@@ -140,7 +141,10 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
             branch_tokens=v.branch_tokens,
         )
     if kind == "done":
-        return Done(DoneReason(msg.done.reason), msg.done.committed_length, msg.done.target_busy_s)
+        # A reason from a newer server is the server's break of this edge's protocol, as an
+        # unknown message is: a ProtocolError, which the edge's callers handle, not a bare ValueError.
+        reason = _enum(DoneReason, msg.done.reason, "done reason", ProtocolError)
+        return Done(reason, msg.done.committed_length, msg.done.target_busy_s)
     if kind == "opened":
         o = msg.opened
         return Opened(o.session_id, o.target_model, o.max_context, o.max_lookahead, o.vocab_size)
