@@ -25,6 +25,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 from specsplit.edge.client import EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
+from specsplit.protocol import errors
 from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerSession
@@ -590,6 +591,26 @@ def test_the_draft_rate_is_measured_over_time_not_over_looks() -> None:
             now += 0.004
             rate = h.draft_rate(now)
         assert rate < 1
+
+    asyncio.run(main())
+
+
+def test_a_sync_session_whose_edge_sends_no_drafts_is_ended_once_its_time_runs_out() -> None:
+    """Its server steps alone never: without the limit it would hold its place for good. The
+    time runs from its Open or its last verdict, so an edge that keeps sending is never ended."""
+    async def main() -> None:
+        worker = VerificationWorker(engine=_BucketShapes(), config=SchedulerConfig(sync_draft_timeout_s=5))  # type: ignore[arg-type]
+        req = OpenRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, draft_mode=DraftMode.SYNC)
+        h = SessionHandle(ServerSession(req, ServerLimits(1000, 4096), "s"), asyncio.Queue(maxsize=8))
+        worker.add(h)
+        t0 = h.idle_since
+        assert worker._ready_at(h, t0 + 4.9) == t0 + 5  # not ready; looked at again when its time runs out
+        h.idle_since = t0 + 4  # a verdict went out (_deliver): the edge's time starts over
+        assert worker._ready_at(h, t0 + 6) == t0 + 9 and h.outbox.empty()
+        assert worker._ready_at(h, t0 + 9) is None
+        ended = h.outbox.get_nowait()
+        assert isinstance(ended, errors.DraftsTimedOut) and ended.status == "DEADLINE_EXCEEDED"
+        assert worker._ready_at(h, t0 + 10) is None and h.outbox.empty()  # told once
 
     asyncio.run(main())
 

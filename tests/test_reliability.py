@@ -219,6 +219,32 @@ def test_a_full_server_refuses_a_malformed_open_as_malformed(limited) -> None:
     assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
 
 
+def test_a_sync_edge_that_sends_no_drafts_is_ended_and_frees_its_place(tiny, tmp_path) -> None:
+    """Its server takes no step without drafts: past --sync-draft-timeout the session ends
+    with DEADLINE_EXCEEDED, counted and logged, and its place under --max-sessions is free."""
+    mport = free_port()
+    log = tmp_path / "server.log"
+    with launch_server(tiny.target_dir, log, "--metrics-port", str(mport), "--max-sessions", "1",
+                       "--sync-draft-timeout", "1") as (address, _):
+        metrics = f"127.0.0.1:{mport}"
+        held = HeldSession(address)
+        try:
+            with pytest.raises(grpc.RpcError) as ended:
+                next(held.responses)
+        finally:
+            held.close()
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert ended.value.details() == "sync session: no drafts for 1 s"
+        assert wait_for(lambda: metric(metrics, "specsplit_sessions_active") == 0)
+        assert metric(metrics, 'specsplit_errors_total{code="DEADLINE_EXCEEDED"}') == 1
+        assert metric(metrics, 'specsplit_sessions_ended_total{reason="error"}') == 1
+        assert "DEADLINE_EXCEEDED: sync session: no drafts for 1 s" in log.read_text()
+        tok = EdgeTokenizer(tiny.draft_dir)  # its place is free: an edge that drafts gets it
+        ids = tok.encode("def add(a, b):")
+        result = run_edge(address, tiny, ids, EdgeConfig(mode="sync", k=3, max_new_tokens=8), ConnectOptions(retries=0))
+        assert result.tokens == reference(str(tiny.target_dir), ids, 8)
+
+
 def test_session_limit_is_resource_exhausted_and_a_device_moves_on(tiny, limited, server) -> None:
     """A full server refuses with RESOURCE_EXHAUSTED and gRPC's server pushback (retry after
     1 s); a device given another server opens its generation there after that second."""

@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grace", type=float, default=ServeConfig.grace_s, help="seconds open sessions get to finish on SIGTERM")
     s.add_argument("--stalled-edge-timeout", type=float, default=SchedulerConfig.stalled_edge_s,
                    help="seconds an edge may leave its verdicts unread before its session is ended")
+    s.add_argument("--sync-draft-timeout", type=float, default=SchedulerConfig.sync_draft_timeout_s,
+                   help="seconds a sync session's edge may send no drafts (after its Open or its last verdict) "
+                   "before the session ends with DEADLINE_EXCEEDED: its server takes no step without them")
     s.add_argument("--idle-stream-timeout", type=float, default=ServeConfig.idle_stream_s,
                    help="seconds a stream stays open after a session's Done, for the device's next generation "
                    "(a new Open on the same stream, without a new call) or its half-close; also how long a new "

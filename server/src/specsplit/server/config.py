@@ -54,6 +54,11 @@ class SchedulerConfig:
     # An edge that stops reading fills its outbox; after this long it is cut off and its
     # session and KV cache are freed.
     stalled_edge_s: float = 30.0
+    # A sync session's server waits for its drafts and steps alone never: one whose edge sends
+    # none for this long after its Open or last verdict is ended (DEADLINE_EXCEEDED), or it
+    # would hold its place under --max-sessions for good. Long: a slow device's first drafts
+    # follow its own pass over a long prompt.
+    sync_draft_timeout_s: float = 300.0
     outbox_size: int = 64
     # Tokens/s each session should get (an SLO; 0: no pacing). While some session with a full
     # window of history commits slower than this, those ahead of it sit passes out (_pace).
@@ -61,7 +66,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_ranges(self, at_least_one=("max_verify_tokens", "max_batch_sessions", "max_batch_tokens"),
-                      not_negative=("idle_wait_s", "max_wait_s", "pace_tokens_per_s"), positive=("stalled_edge_s",))
+                      not_negative=("idle_wait_s", "max_wait_s", "pace_tokens_per_s"), positive=("stalled_edge_s", "sync_draft_timeout_s"))
         if self.idle_policy not in IDLE_POLICIES:
             raise ConfigError("idle_policy", f"must be one of {IDLE_POLICIES}", self.idle_policy)
         if not self.outbox_size > OUTBOX_ROOM:  # no session would ever be verified (0 is no bound at all)

@@ -36,6 +36,7 @@ import numpy as np
 
 from specsplit.common.acceptance import acceptance_estimate
 from specsplit.common.aio import within
+from specsplit.protocol import errors
 from specsplit.protocol.messages import Done, DraftMode, Verdict, VerificationMode
 from specsplit.protocol.server_session import ServerSession, VerifyTask
 from specsplit.server.config import OUTBOX_ROOM, SchedulerConfig
@@ -66,6 +67,7 @@ class SessionHandle:
     busy_s: float = 0.0  # time the target spent on this session
     stream_task: asyncio.Task | None = None  # the servicer task, cancelled if the edge stalls
     stalled: bool = False  # ended because its edge stopped reading (the servicer's reason for the end)
+    timed_out: bool = False  # a sync session ended for sending no drafts (_sync_ready_at)
     full_since: float | None = None  # when the outbox last filled up
     budget: int = 0  # drafts the next verification takes, as planned
     arrivals: deque = field(default_factory=lambda: deque(maxlen=32))  # (time, drafts received so far), RATE_SAMPLE_S apart
@@ -209,12 +211,24 @@ class VerificationWorker:
             return now
         if mode is DraftMode.SYNC:
             # The classic scheme: wait for the k drafts the edge sends, verify them all.
-            return now if available else None
+            return now if available else self._sync_ready_at(h, now)
         if self.config.idle_policy == "adaptive":
             return self._adaptive_ready_at(h, now, available, limit)
         if available or self.config.idle_policy == "ar":
             return now
         return h.idle_since + self.config.idle_wait_s
+
+    def _sync_ready_at(self, h: SessionHandle, now: float) -> float | None:
+        """A sync session holding no drafts: looked at again when its edge's time to send them
+        runs out, then ended with DEADLINE_EXCEEDED (its servicer aborts the call and removes it)."""
+        ends = h.idle_since + self.config.sync_draft_timeout_s
+        if now < ends:
+            return ends  # not ready then either: the pick that looks then ends it
+        if not h.timed_out:
+            h.timed_out = True
+            limit = self.config.sync_draft_timeout_s
+            self._put(h, errors.DraftsTimedOut(f"sync session: no drafts for {limit:g} s"))
+        return None
 
     def _adaptive_ready_at(self, h: SessionHandle, now: float, available: int, limit: int) -> float:
         """An asynchronous session under the "adaptive" idle policy: verified now, or once the

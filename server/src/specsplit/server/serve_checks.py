@@ -20,6 +20,7 @@ NOT_NEGATIVE = ("threads", "prefix_cache_mb")
 POSITIVE = ("gil_switch_ms",)
 # The flags of the config fields named otherwise (in other units, some).
 FLAG_OF = {"max_new_tokens": "max_new_tokens_limit", "grace_s": "grace", "stalled_edge_s": "stalled_edge_timeout",
+           "sync_draft_timeout_s": "sync_draft_timeout",
            "idle_stream_s": "idle_stream_timeout", "idle_wait_s": "idle_wait_ms", "max_wait_s": "max_wait_ms"}
 # A slot keeps the widest pass (32 tokens) free past a session's end, and the start's
 # warm-up passes (engine.warm_up) need 38 positions more; a shorter slot would not hold a
@@ -44,6 +45,7 @@ def _configs(args: argparse.Namespace, tls: TLSConfig | None,
             idle_wait_s=args.idle_wait_ms / 1000,
             max_wait_s=args.max_wait_ms / 1000,
             stalled_edge_s=args.stalled_edge_timeout,
+            sync_draft_timeout_s=args.sync_draft_timeout,
             pace_tokens_per_s=args.pace_tokens_per_s,
         )
         cfg = ServeConfig(

@@ -101,6 +101,13 @@ class ClosedBeforeOpen(ProtocolError):
     status = "FAILED_PRECONDITION"
 
 
+class DraftsTimedOut(ProtocolError):
+    """A sync session's edge sent no drafts for the server's limit: its server takes no step
+    alone, so the session would hold its place (and KV cache) for good."""
+
+    status = "DEADLINE_EXCEEDED"
+
+
 class OpenTimeout(ProtocolError):
     """A stream's first message did not come in time: it held a call and sent nothing."""
 
