@@ -11,6 +11,8 @@ from specsplit.server.policy import (
     PassCostModel,
     choose_drafts,
     choose_width,
+    WAIT_STEP_S,
+    _first_waits,
     expected_tokens,
     plan,
 )
@@ -72,6 +74,39 @@ def test_plan_waits_for_drafts_on_their_way_only_when_it_pays() -> None:
     assert wait == 0  # nothing is coming: act now
     n, wait = plan(20, 24, 0.95, costs, draft_rate=20.0, max_wait_s=0.5)
     assert wait == 0 and n >= 16  # plenty in hand
+
+
+def _plan_over_every_wait(available: int, limit: int, alpha: float, costs: PassCostModel, draft_rate: float,
+                          max_wait_s: float) -> tuple[int, float]:
+    """plan() as it was: every wait of the grid weighed, in order."""
+    best_rate, best = -1.0, (min(available, limit), 0.0)
+    for k in range(int(max_wait_s / WAIT_STEP_S) + 1):
+        wait = k * WAIT_STEP_S
+        n = choose_drafts(min(limit, available + int(draft_rate * wait)), limit, alpha, costs)
+        rate = expected_tokens(n, alpha) / (wait + costs.cost(n))
+        if rate > best_rate * 1.0001:
+            best_rate, best = rate, (n, wait)
+    return best
+
+
+@given(st.integers(0, 30), st.integers(1, 30), st.floats(0.0, 0.99),
+       st.one_of(st.just(0.0), st.floats(0.01, 300.0)), st.floats(0.0, 3.0),
+       st.lists(st.floats(0.001, 1.0), min_size=2, max_size=5))
+def test_plan_weighs_only_the_first_wait_for_each_draft_and_plans_as_over_every_wait(
+        available, limit, alpha, rate, max_wait, costs_by_size) -> None:
+    costs = PassCostModel()
+    for n, c in zip((0, 1, 4, 8, 16), sorted(costs_by_size)):
+        costs.observe(n, c)
+    assert plan(available, limit, alpha, costs, rate, max_wait) == \
+        _plan_over_every_wait(available, limit, alpha, costs, rate, max_wait)
+
+
+def test_a_long_max_wait_does_not_make_a_plan_weigh_more_waits() -> None:
+    """A wait per draft still to come, not one per 50 ms of --max-wait-ms: an hour's limit
+    would otherwise weigh 72,000 waits for each session at each pick."""
+    assert len(_first_waits(2, 24, 0.01, 3600.0)) <= 23
+    assert _first_waits(2, 24, 0.0, 3600.0) == [0.0]
+    assert _first_waits(0, 4, 40.0, 0.5) == [0.0, 0.05, 0.1]  # 2 drafts a step: the first two steps bring all 4
 
 
 def _linear_costs(fixed: float, per_token: float) -> PassCostModel:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -96,13 +97,32 @@ def plan(
     if costs.known() < 2:
         return top, 0.0
     best_rate, best = -1.0, (top, 0.0)
-    for k in range(int(max_wait_s / WAIT_STEP_S) + 1):
-        wait = k * WAIT_STEP_S
+    for wait in _first_waits(available, limit, draft_rate, max_wait_s):
         n = choose_drafts(min(limit, available + int(draft_rate * wait)), limit, alpha, costs)
         rate = expected_tokens(n, alpha) / (wait + costs.cost(n))
         if rate > best_rate * 1.0001:
             best_rate, best = rate, (n, wait)
     return best
+
+
+def _first_waits(available: int, limit: int, draft_rate: float, max_wait_s: float) -> list[float]:
+    """Of the waits 0, WAIT_STEP_S, ... up to max_wait_s, the first after which each further
+    draft has come: a longer wait for as many drafts only delays the pass, so these are the
+    only ones worth weighing. At most a wait per draft up to the limit, however long
+    max_wait_s: stepping through every wait would cost each pick time in proportion to it."""
+    steps = int(max_wait_s / WAIT_STEP_S)
+    waits, k = [0.0], 0
+    if draft_rate <= 0.0:
+        return waits
+    for more in range(1, limit - available + 1):
+        k = max(k, math.ceil(more / (draft_rate * WAIT_STEP_S)) - 1)
+        while int(draft_rate * (k * WAIT_STEP_S)) < more:  # as plan() counts them (products round either way)
+            k += 1
+        if k > steps:
+            break
+        if k * WAIT_STEP_S != waits[-1]:
+            waits.append(k * WAIT_STEP_S)
+    return waits
 
 
 def choose_width(rows: Sequence[tuple[int, int, float]], padded: Callable[[int], int | None], costs: PassCostModel,
