@@ -286,3 +286,68 @@ def test_a_branch_never_grows_past_one_chunk() -> None:
     gen = Attempt(None, [1, 2], EdgeConfig(mode="none", window=100, branch_tokens=100), "", "", [], None)
     gen.edge, gen._server_lookahead = EdgeSession([1, 2], 100), 128
     assert gen._branch_room(2) == MAX_CHUNK
+
+
+@pytest.fixture(scope="module")
+def other_vocab_drafts(tiny, tmp_path_factory) -> dict[int, OnnxDrafter]:
+    """Drafts over the tiny pair's tokenizer with fewer (300) and more (400) vocabulary rows
+    than the target's 320, as real pairs of one family differ (151,936 and 152,064 rows)."""
+    from specsplit.server.export import export_draft
+    from tiny_models import build_model, build_tokenizer, save
+
+    root = tmp_path_factory.mktemp("vocab")
+    drafts = {}
+    for rows in (300, 400):
+        hf = save(build_model(1, layers=1, vocab_size=rows, eos_id=tiny.eos_id), build_tokenizer(), root / f"hf-{rows}")
+        export_draft(str(hf), root / f"draft-{rows}")
+        drafts[rows] = OnnxDrafter(root / f"draft-{rows}")
+    return drafts
+
+
+VOCAB_PROMPT = "The quick brown fox"  # the target commits an id past 300; the 400-row draft prefers ids past 320
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_draft_with_more_vocabulary_rows_than_the_target_drafts_only_the_targets(
+        tiny, server, other_vocab_drafts, mode) -> None:
+    """Before, its draft of an id past the target's rows was refused (INVALID_ARGUMENT) and
+    ended the generation."""
+    tok, drafter = EdgeTokenizer(tiny.draft_dir), other_vocab_drafts[400]
+    ids = tok.encode(VOCAB_PROMPT)
+    want = reference(str(tiny.target_dir), ids, 40)
+    assert any(int(np.argmax(drafter.next_logits(ids + want[:i]))) >= 320 for i in range(len(want)))
+    result = asyncio.run(generate(server, ids, EdgeConfig(mode=mode, max_new_tokens=40), drafter=drafter,
+                                  fingerprint=tok.fingerprint, connect=ConnectOptions(retries=0)))
+    assert result.tokens == want and result.stats.drafts_made > 0  # (the server checks every draft it receives)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_token_the_draft_cannot_read_leaves_the_rest_to_the_server(tiny, server, other_vocab_drafts, caplog,
+                                                                    mode) -> None:
+    """The target (320 rows) commits an id the 300-row draft has no row for: the edge stops
+    drafting and half-closes, and the server decodes the rest alone, sync sessions too
+    (before: the drafter's ValueError ended the generation)."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = tok.encode(VOCAB_PROMPT)
+    want = reference(str(tiny.target_dir), ids, 40)
+    past = next(i for i, t in enumerate(want) if t >= 300)
+    assert past < len(want) - 3  # tokens follow it
+    after_ids = tok.encode("def add(a, b):")
+    connect = ConnectOptions(retries=0, stall_timeout_s=20)
+
+    async def main():  # type: ignore[no-untyped-def]
+        async with grpc.aio.insecure_channel(server) as channel:
+            stream = GenerateStream.on(channel)  # kept: the half-closed call is not the next generation's
+            cfg = EdgeConfig(mode=mode, max_new_tokens=40)
+            first = await generate(stream, ids, cfg, drafter=other_vocab_drafts[300], fingerprint=tok.fingerprint,
+                                   connect=connect)
+            after = await generate(stream, after_ids, cfg, drafter=OnnxDrafter(tiny.draft_dir),
+                                   fingerprint=tok.fingerprint, connect=connect)
+            stream.close()
+            return first, after
+
+    with caplog.at_level("WARNING", logger="specsplit.edge.attempt"):
+        result, after = asyncio.run(main())
+    assert result.tokens == want and result.stats.reconnects == 0
+    assert f"the target committed token id {want[past]}, past the draft's 300 ids" in caplog.text
+    assert after.tokens == reference(str(tiny.target_dir), after_ids, 40) and after.stats.reconnects == 0

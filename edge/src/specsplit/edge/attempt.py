@@ -24,7 +24,7 @@ import numpy as np
 from specsplit.common.aio import within
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
 from specsplit.edge.config import MODES, ConnectOptions, EdgeConfig
-from specsplit.edge.drafter import BatchDrafter, BranchOffering, Drafter, TokenPicker
+from specsplit.edge.drafter import BatchDrafter, BranchOffering, Drafter, TokenPicker, VocabSized
 from specsplit.edge.failures import OnCommitFailed, StreamEnded, StreamStalled
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
@@ -120,6 +120,8 @@ class Attempt:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
         self._connect = connect
         self._stream: GenerateStream | None = None
+        self._target_vocab: int | None = None  # ids a draft may hold (Opened; None: the server did not say)
+        self._drafting_stopped = False  # the target committed a token the draft cannot read (_check_readable)
 
     def _send(self, msg) -> None:  # type: ignore[no-untyped-def]
         assert self._stream is not None
@@ -160,6 +162,7 @@ class Attempt:
             if self.stats.opened_s is None:  # an earlier attempt's Opened was the first
                 self.stats.opened_s = time.perf_counter() - t0
             self._max_window = min(self.cfg.window, opened.max_lookahead)
+            self._target_vocab = opened.vocab_size or None
             self._server_lookahead = opened.max_lookahead
             if self.cfg.mode == "sync":
                 self._k = min(self.cfg.k, opened.max_lookahead, MAX_CHUNK)
@@ -174,6 +177,7 @@ class Attempt:
             self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids, end)
             drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
             reading = asyncio.create_task(self._read_loop(stream.call, t0))
+            self._check_readable(self.committed_ids)  # a resumed generation's, before its first draft
             if drafting is not None:
                 # A drafter that fails ends the generation at once, with its own error: the
                 # server would wait for drafts that never come (sync) or finish alone (async).
@@ -233,6 +237,7 @@ class Attempt:
             if isinstance(event, Verdict):
                 edge.apply_verdict(event)
                 self._verdicts += 1
+                self._check_readable(event.tokens)
                 if self._choices:  # the drafter's views of committed positions serve no branch
                     self._choices = {k: c for k, c in self._choices.items() if k[0] >= edge.committed_len}
                 self.stats.add_verdict(event, now)
@@ -277,6 +282,9 @@ class Attempt:
         batched = isinstance(drafter, BatchDrafter)
         awaiting: int | None = None  # sync: verdict count when the last round was sent
         while edge.done is None:
+            if self._drafting_stopped:
+                await self._wait_change()
+                continue
             if sync and awaiting is not None:
                 if self._verdicts == awaiting:
                     await self._wait_change()
@@ -313,6 +321,7 @@ class Attempt:
                 self._mark("draft", started, self._now(), len(trajectory))
                 if edge.done is not None or edge.tip != tip:
                     continue  # a verdict changed the trajectory meanwhile: draft again from it
+                logits = self._target_ids(logits)
                 token, dist = self.proposer.propose(logits, len(trajectory))
                 if branching:
                     self._choices[len(trajectory), token] = draft_choice(logits)
@@ -327,6 +336,32 @@ class Attempt:
                 self._send(codec.draft_to_pb(chunk))
                 if beside is not None and edge.branch is None:
                     self._offer_branch(beside, chunk.start, chunk.tokens)
+
+    def _target_ids(self, logits: np.ndarray) -> np.ndarray:
+        """The draft's logits over the ids the target has: a draft with more vocabulary rows
+        than the target would otherwise now and then draft an id past them, which the server
+        refuses (INVALID_ARGUMENT), ending the generation."""
+        if self._target_vocab is None or logits.shape[-1] <= self._target_vocab:
+            return logits
+        return logits[: self._target_vocab]
+
+    def _check_readable(self, tokens: Sequence[int]) -> None:
+        """Stop drafting for the rest of the generation once the target has committed a token
+        the draft cannot read (a target with more vocabulary rows than the draft; trained
+        models never pick those rows, random weights do): nothing can be drafted after it.
+        The call is half-closed, so the server decodes the rest alone, in every mode (a sync
+        session's server otherwise waits for drafts): nothing is lost."""
+        readable = self.drafter.vocab_size if isinstance(self.drafter, VocabSized) else None
+        if readable is None or self._drafting_stopped or self.cfg.mode == "none":
+            return
+        past = next((t for t in tokens if t >= readable), None)
+        if past is None:
+            return
+        self._drafting_stopped = True
+        log.warning("the target committed token id %d, past the draft's %d ids: the server decodes the rest of "
+                    "this generation alone", past, readable)
+        assert self._stream is not None
+        self._stream.finish_writing()
 
     def _offer_branch(self, beside: Callable[[int, int, int], tuple[int, ...] | None], start: int,
                       tokens: Sequence[int]) -> None:
@@ -408,7 +443,7 @@ class Attempt:
         start, tokens = branch
         if edge.done is not None or branch not in edge.branches:
             return
-        choice = draft_choice(logits)
+        choice = draft_choice(self._target_ids(logits))
         self._choices[start + len(tokens), choice.token] = choice
         self._mark("send-branch", self._now(), start, len(tokens) + 1)
         self._send(codec.draft_to_pb(edge.branch_chunk(start, [*tokens, choice.token])))

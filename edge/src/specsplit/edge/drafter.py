@@ -52,6 +52,14 @@ class BranchOffering(Protocol):
 
 
 @runtime_checkable
+class VocabSized(Protocol):
+    """A drafter that says how many token ids it can read (its embedding's rows)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+@runtime_checkable
 class BatchDrafter(Protocol):
     """A drafter that steps several trajectories (the main line and its branches) in one run."""
 
@@ -115,6 +123,10 @@ class OnnxDrafter:
         # several takes their steps one at a time, as its caches must be.
         self._lock = threading.Lock()
         self.reset()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta.vocab_size
 
     def reset(self) -> None:
         empty = np.zeros((1, self.meta.num_kv_heads, 0, self.meta.head_dim), dtype=np.float32)

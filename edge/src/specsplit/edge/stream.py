@@ -32,6 +32,7 @@ class GenerateStream:
         self._call: grpc.aio.StreamStreamCall | None = None
         self._outgoing: asyncio.Queue[pb.EdgeMessage | None] = asyncio.Queue()
         self._carrying = False
+        self._writing_done = False  # the call is half-closed: read to its end, never sent on again
 
     @property
     def servers(self) -> int:
@@ -64,9 +65,9 @@ class GenerateStream:
 
     def begin(self, metadata: tuple[tuple[str, str], ...] = ()) -> bool:
         """Make sure a call is open for the next generation; True if this started a new one."""
-        if self._call is not None and not self._call.done():
+        if self._call is not None and not self._call.done() and not self._writing_done:
             return False
-        self._outgoing = asyncio.Queue()
+        self._outgoing, self._writing_done = asyncio.Queue(), False
         self._call = self._stubs[self.server].Generate(self._requests(self._outgoing), metadata=metadata or None)
         return True
 
@@ -80,6 +81,14 @@ class GenerateStream:
 
     def send(self, msg: pb.EdgeMessage) -> None:
         self._outgoing.put_nowait(msg)
+
+    def finish_writing(self) -> None:
+        """Half-close the call but keep it, to read to its end and to cancel on a failure:
+        the server finishes the open session without drafts, then ends the call; the next
+        generation begins a new one."""
+        if self._call is not None and not self._writing_done:
+            self._outgoing.put_nowait(None)
+            self._writing_done = True
 
     def close(self) -> None:
         """Half-close: the server finishes the open session, if any, and ends the call."""
