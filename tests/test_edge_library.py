@@ -55,6 +55,15 @@ def test_connect_options_no_call_can_use_are_refused(kw, field) -> None:
     assert refused.value.field == field
 
 
+def test_the_default_retries_outlast_a_restart_of_the_default_target() -> None:
+    """Loading the default target takes about 49 s on one core (the design's figure); the
+    default of 5 retries gave up after 15.5 s of waits (16 to 23 s with the spread)."""
+    from specsplit.edge.retry import retry_span
+
+    assert retry_span(ConnectOptions.retries) >= 60
+    assert retry_span(5) == 0.5 + 1 + 2 + 4 + 8 and retry_span(0) == 0
+
+
 @pytest.mark.parametrize(("ids", "message"), [
     ([], "prompt_ids is empty"),
     ([1, -1], "prompt_ids must be token ids"),  # was: protobuf's "Value out of range"

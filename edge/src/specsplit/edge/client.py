@@ -15,7 +15,7 @@ from specsplit.edge.attempt import Attempt, GenerationResult, Record
 from specsplit.edge.config import MODES, ConfigError, ConnectOptions, EdgeConfig, token_ids
 from specsplit.edge.drafter import Drafter
 from specsplit.edge.failures import OnCommitFailed, StreamEnded, StreamStalled
-from specsplit.edge.retry import describe, retry_delay, spread
+from specsplit.edge.retry import describe, next_backoff, retry_delay, spread
 from specsplit.edge.stats import GenerationStats
 from specsplit.edge.stream import GenerateStream
 
@@ -118,7 +118,7 @@ async def generate(
                 log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d in a row)",
                             describe(exc), delay, failures, connect.retries)
                 await asyncio.sleep(delay)
-                backoff = min(backoff * 2, 8.0)
+                backoff = next_backoff(backoff)
 
 
 async def _on_own_call(gen: Attempt, channel: grpc.aio.Channel) -> GenerationResult:

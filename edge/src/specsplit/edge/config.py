@@ -47,8 +47,9 @@ class ConnectOptions:
     token: str | None = None  # bearer token sent as `authorization` metadata
     stall_timeout_s: float | None = 60.0  # no message for this long: the stream is treated as dead
     # Re-opens in a row after a lost server or stream, cycling through the addresses given; an
-    # attempt that committed tokens starts the count (and the backoff) over.
-    retries: int = 5
+    # attempt that committed tokens starts the count (and the backoff) over. Twelve wait 71.5 s
+    # at the least: a restarted server's time to load the default target, with room to spare.
+    retries: int = 12
     backoff_s: float = 0.5  # doubled after each failed attempt, up to 8 s; back to this after progress
 
     def __post_init__(self) -> None:
@@ -82,7 +83,7 @@ class EdgeConfig:
     window: int = 32  # async: how far ahead of the committed point to draft (with adaptive_window: at most)
     adaptive_window: bool = True  # async: size the lookahead from the acceptance seen so far (lookahead.py)
     k: int = 4  # sync: drafts per round
-    branch_tokens: int = 8  # async, greedy: the longest branch drafted beside the main line (0 or 1: none)
+    branch_tokens: int = 8  # async, greedy: the longest branch drafted beside the main line (0: none)
     # async, greedy: how many branches may be open beside the main line at once. Two ran 1.012x
     # and 0.988x one in two side-by-side runs (docs/benchmarks.md): no gain for the edge's extra work.
     branches: int = 1

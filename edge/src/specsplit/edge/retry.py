@@ -30,6 +30,20 @@ def describe(exc: Exception) -> str:
 
 # A retry waits up to this many times its least wait, at random (`spread`).
 RETRY_SPREAD = 1.5
+MAX_BACKOFF_S = 8.0  # the backoff doubles after each failed attempt, up to this
+
+
+def next_backoff(backoff: float) -> float:
+    return min(backoff * 2, MAX_BACKOFF_S)
+
+
+def retry_span(retries: int, backoff: float = 0.5) -> float:
+    """The least time `retries` re-opens in a row wait in all, from a first backoff of
+    `backoff`: how long a server may be down before the edge gives up."""
+    total = 0.0
+    for _ in range(retries):
+        total, backoff = total + backoff, next_backoff(backoff)
+    return total
 
 
 def spread(least: float) -> float:
