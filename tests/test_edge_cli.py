@@ -127,6 +127,14 @@ def _edit_meta(change):  # type: ignore[no-untyped-def]
     ("meta-newer", _edit_meta(lambda m: m.update(new_field=1)), "fields this version does not know (new_field)"),
     ("bad-template", lambda e: (e / "chat_template.jinja").write_text("{% if %}"), "chat template in"),  # a chat prompt
     ("other-model", _edit_meta(lambda m: m.update(num_layers=m["num_layers"] + 1)), "does not take the inputs"),
+    # The next four failed only at the first drafting step (a session open) or deep in loading, with a traceback.
+    ("other-head-dim", _edit_meta(lambda m: m.update(head_dim=m["head_dim"] * 2)), "specsplit.json says head_dim"),
+    ("other-kv-heads", _edit_meta(lambda m: m.update(num_kv_heads=m["num_kv_heads"] + 1)),
+     "specsplit.json says num_kv_heads"),
+    ("meta-text-number", _edit_meta(lambda m: m.update(num_layers=str(m["num_layers"]))),
+     "num_layers must be a whole number of at least 1, got '"),
+    ("meta-no-eos", _edit_meta(lambda m: m.update(eos_ids=None)), "eos_ids must be a list of token ids, got None"),
+    ("config-not-object", lambda e: (e / "tokenizer_config.json").write_text("[]"), "holds no settings object"),
 ])
 def test_a_damaged_draft_export_is_one_error_line(tiny, tmp_path, capsys, name, damage, message) -> None:
     export = _broken_export(tiny, tmp_path, name, damage)
@@ -152,6 +160,19 @@ RICH_TEMPLATE = (
     "{{ {'naïve': 'café <b>'} | tojson(indent=1) }}{{ strftime_now('%Y') }}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+
+
+def test_a_chat_template_given_as_a_list_renders_its_default(tiny, tmp_path) -> None:
+    """transformers writes a model's several templates as a list of named ones; a one-turn
+    chat takes "default" (before: a TypeError from jinja, even for raw prompts)."""
+    def named(export: Path) -> None:
+        (export / "chat_template.jinja").unlink(missing_ok=True)
+        config = json.loads((export / "tokenizer_config.json").read_text())
+        config["chat_template"] = [{"name": "tool_use", "template": "tools"},
+                                   {"name": "default", "template": "<u>{{ messages[0].content }}</u>"}]
+        (export / "tokenizer_config.json").write_text(json.dumps(config))
+
+    assert EdgeTokenizer(Path(_broken_export(tiny, tmp_path, "named", named))).chat_prompt("hi") == "<u>hi</u>"
 
 
 def test_chat_templates_render_as_transformers_renders_them(tiny, tmp_path) -> None:
@@ -181,6 +202,22 @@ def test_a_raw_prompt_gets_the_special_tokens_the_tokenizer_adds(tiny, tmp_path)
     want = AutoTokenizer.from_pretrained(str(export))("def add(a, b):").input_ids
     assert ours.encode("def add(a, b):", add_special_tokens=True) == want
     assert want[0] == ours.token_id("<|im_start|>") and ours.encode("def add(a, b):") == want[1:]
+
+
+def test_a_stats_file_that_is_the_prompts_file_is_refused_before_it_erases_them(tmp_path, capsys) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    (tmp_path / "link.txt").symlink_to(prompts)
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tmp_path / "nowhere"),
+                 "--prompts-file", str(prompts), "--stats-json", str(tmp_path / "link.txt")]) == 2
+    assert "is the --prompts-file" in capsys.readouterr().err
+    assert prompts.read_text() == "one\ntwo\n"  # was: emptied, nothing generated, exit status 0
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:  # the command line's byte 0xff, as Python hands it over
+        main(["generate", "--server", "127.0.0.1:50051", "--draft", "unused", "\udcff abc"])
+    assert exit_.value.code == 2 and "PROMPT is not UTF-8 text" in capsys.readouterr().err  # was: a TypeError
 
 
 def test_a_stats_file_keeps_its_content_when_the_draft_fails_to_load(tmp_path, capsys) -> None:
@@ -250,7 +287,7 @@ def test_a_warning_while_text_streams_lands_on_a_line_of_its_own_only_on_a_share
 
 @pytest.mark.parametrize(("server", "warned"), [("192.0.2.1:50051", True), ("server.example:50051", True),
                                                 ("127.0.0.1:50051", False), ("[::1]:50051", False),
-                                                ("localhost:50051", False)])
+                                                ("localhost:50051", False), ("unix:/run/specsplit.sock", False)])
 def test_a_token_sent_in_the_clear_is_warned_of(tmp_path, capsys, monkeypatch, server, warned) -> None:
     """Over plaintext anyone on the path reads the bearer token; on loopback nobody does."""
     monkeypatch.setenv("SPECSPLIT_TOKEN", "s3cret")

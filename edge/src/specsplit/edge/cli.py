@@ -37,6 +37,7 @@ from specsplit.edge.client import (
     open_channel,
 )
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
+from specsplit.edge.retry import retry_span
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import TEMPLATE_FAILED, EdgeTokenizer
 from specsplit.protocol.errors import ProtocolError
@@ -145,6 +146,10 @@ def open_prompts(args: argparse.Namespace) -> TextIO | None:
             raise OSError(f"--stats-json {stats}: its directory does not exist")
         if not os.access(stats if stats.exists() else stats.parent, os.W_OK):
             raise OSError(f"--stats-json {stats} cannot be written here")
+        # Opened for writing, it would be emptied before a line of it was read as a prompt.
+        if args.prompts_file not in (None, "-") and stats.exists() and Path(args.prompts_file).exists() \
+                and os.path.samefile(stats, args.prompts_file):
+            raise OSError(f"--stats-json {stats} is the --prompts-file: writing the stats would erase the prompts")
     if args.prompts_file == "-":
         if sys.stdin is None:
             raise OSError("--prompts-file -: there is no standard input")
@@ -285,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="sample among this many likeliest tokens (0: all)")
     g.add_argument("--seed", type=int, default=SamplingParams.seed, help="seed of the sampled draws: with match verification (the default) the same text for "
                    "the same seed in every mode, up to the target's rounding (on a GPU, its batching); "
-                   "with sparse-q the same distribution")
+                   "with sparse-q the same distribution (default %(default)s)")
     g.add_argument("--verification", choices=sorted(VERIFICATION), default=None,
                    help="greedy (the default at temperature 0); sampled: match (the default above it) or sparse-q")
     g.add_argument("--sparse-top-k", type=int, default=EdgeConfig.sparse_top_k, help=f"draft distribution size in sparse-q mode (at most {MAX_DIST_IDS})")
@@ -301,12 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async, greedy: beside its drafts, draft branches of up to this many tokens from the "
                    f"drafter's runner-up where rejections are likeliest (if that chance is at least {MIN_CHANCE}), "
                    "in the same batched steps as the drafts; the server verifies a branch in the pass that "
-                   f"verifies the draft beside it (at most {MAX_CHUNK}; default %(default)s; 0: no branches)")
+                   f"verifies the draft beside it (at most {MAX_CHUNK}: longer ones are drafted as that long; "
+                   "default %(default)s; 0: no branches)")
     g.add_argument("--branches", type=int, choices=range(MAX_BRANCHES + 1), default=EdgeConfig.branches,
                    help="async, greedy: how many branches may be open beside the drafts at once "
                    "(default %(default)s; 0: none)")
     g.add_argument("--threads", type=int, default=1,
-                   help="ONNX Runtime threads for the drafter (0: ONNX Runtime's default, one per core)")
+                   help="ONNX Runtime threads for the drafter (0: ONNX Runtime's default, one per core; default %(default)s)")
     g.add_argument("--stop-id", type=int, action="append", default=[],
                    help=f"extra stop token id (repeatable, at most {MAX_STOP_IDS})")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
@@ -320,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retries", type=int, default=ConnectOptions.retries, help="re-opens in a row after a lost server or stream, or a full one that says when "
                    "to try again (resumes, on the next --server if there are several: a failover is a retry, so give "
                    "at least one fewer than the servers); an attempt that committed tokens starts the count and "
-                   "the backoff over")
+                   "the backoff over. The waits between them double from 0.5 s up to 8 s: the default, %(default)s, rides out "
+                   f"about {retry_span(ConnectOptions.retries):.0f} s or more of a server that is down (a restart of "
+                   "the default target takes about a minute)")
     g.add_argument("--stall-timeout", type=float, default=ConnectOptions.stall_timeout_s,
                    help="seconds without a message from the server before the stream counts as lost")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
@@ -361,6 +369,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--timeline is written to --stats-json: give that too")
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("PROMPT is empty")
+    if args.prompt is not None and not _utf8(args.prompt):
+        raise ValueError("PROMPT is not UTF-8 text")
     if args.tls_server_name is not None and not (args.tls or args.tls_ca or args.tls_cert):
         raise ValueError("--tls-server-name is for TLS: give --tls or --tls-ca too")
     try:
@@ -434,7 +444,19 @@ def _hint(details: str, args: argparse.Namespace) -> str:
                     address_flag="--server")
 
 
+def _utf8(text: str) -> bool:
+    """Whether `text` holds no lone surrogates: the command line's bytes that were no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _loopback(server: str) -> bool:
+    """Whether `server` is on this machine: a loopback address or a unix socket."""
+    if server.startswith(("unix:", "unix-abstract:")):
+        return True
     host = server.rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True

@@ -118,11 +118,26 @@ class OnnxDrafter:
         if missing := sorted(expected - {i.name for i in self._session.get_inputs()}):
             raise ValueError(f"{model} does not take the inputs its {META_FILE} describes (no {', '.join(missing[:3])}): "
                              "its model and metadata come from different exports")
+        self._check_cache_shape(model)
         self._caches: list[_Cache] = []  # least recently used first
         # Generations run their drafting in threads of their own; one drafter shared by
         # several takes their steps one at a time, as its caches must be.
         self._lock = threading.Lock()
         self.reset()
+
+    def _check_cache_shape(self, model: Path) -> None:
+        """ValueError where the graph's cache inputs have other heads or head sizes than the
+        metadata says: the first drafting step would fail, a session already open."""
+        shapes = {i.name: i.shape for i in self._session.get_inputs()}
+        for name in self._past_names:
+            if len(shapes[name]) != 4:
+                raise ValueError(f"{model} takes {name} with {len(shapes[name])} axes, not (batch, heads, "
+                                 "positions, head size): not a specsplit draft export")
+            heads, dim = shapes[name][1], shapes[name][3]
+            for axis, size, field in ((heads, self.meta.num_kv_heads, "num_kv_heads"), (dim, self.meta.head_dim, "head_dim")):
+                if isinstance(axis, int) and axis != size:  # a named (dynamic) axis takes any size
+                    raise ValueError(f"{model} takes {name} with {axis} where its {META_FILE} says {field} {size}: "
+                                     "its model and metadata come from different exports")
 
     @property
     def vocab_size(self) -> int:

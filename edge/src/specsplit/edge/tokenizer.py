@@ -74,10 +74,13 @@ class EdgeTokenizer:
             self._config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"{config_path} is not valid JSON ({exc})") from None
+        if not isinstance(self._config, dict):
+            raise ValueError(f"{config_path} holds no settings object: export the draft again")
         template_path = directory / "chat_template.jinja"
         source = template_path if template_path.is_file() else config_path
         self.chat_template: str | None = (
-            template_path.read_text(encoding="utf-8") if template_path.is_file() else self._config.get("chat_template")
+            template_path.read_text(encoding="utf-8") if template_path.is_file()
+            else _default_template(self._config.get("chat_template"))
         )
         # The template's special tokens (bos_token, eos_token, ...), as transformers passes them.
         self._special = {k: v for k, v in self._config.items() if k.endswith("_token") and isinstance(v, str)}
@@ -85,7 +88,7 @@ class EdgeTokenizer:
         if self.chat_template:
             try:  # compiled once; a broken one matters only to chat prompts, not to raw ones
                 self._template = chat_environment().from_string(self.chat_template)
-            except TemplateError as exc:
+            except Exception as exc:  # Jinja raises more than TemplateError for some malformed sources
                 self._template = f"the chat template in {source} does not parse ({exc})"
         self.fingerprint = vocab_fingerprint(self._tok.get_vocab(with_added_tokens=True))
 
@@ -112,3 +115,12 @@ class EdgeTokenizer:
                                          add_generation_prompt=True, **self._special)
         except TemplateError as exc:  # raise_exception's ValueError, which says so itself, passes as it is
             raise ValueError(f"{TEMPLATE_FAILED} ({exc})") from None
+
+
+def _default_template(template: object) -> str | None:
+    """A tokenizer config's chat template: a string, or (as transformers also writes them)
+    a list of named templates, of which a one-turn chat takes the one named "default"."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

@@ -73,5 +73,30 @@ class DraftExportMeta:
                              "it was exported by a newer specsplit; install that version here too")
         if missing := sorted(needed - data.keys()):
             raise ValueError(f"{path} lacks {', '.join(missing)}: export the draft again")
+        if problem := _wrong_type(data):
+            raise ValueError(f"{path}: {problem}: export the draft again")
         data["eos_ids"] = tuple(data["eos_ids"])
         return cls(**data)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wrong_type(data: dict) -> str | None:
+    """What in a metadata object has the wrong type, found here: a hand-edited file would
+    otherwise fail later, deep in loading or in the first drafting step."""
+    for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
+        if not _whole(data[name]) or data[name] < 1:
+            return f"{name} must be a whole number of at least 1, got {data[name]!r}"
+    if not isinstance(data["eos_ids"], list) or not all(_whole(t) and t >= 0 for t in data["eos_ids"]):
+        return f"eos_ids must be a list of token ids, got {data['eos_ids']!r}"
+    for name in ("tokenizer_fingerprint", "source_model", "source_sha256", "quantization", "dtype"):
+        if name in data and not isinstance(data[name], str):
+            return f"{name} must be a string, got {data[name]!r}"
+    if "max_abs_logit_diff" in data and (isinstance(data["max_abs_logit_diff"], bool)
+                                         or not isinstance(data["max_abs_logit_diff"], (int, float))):
+        return f"max_abs_logit_diff must be a number, got {data['max_abs_logit_diff']!r}"
+    if "extra" in data and not isinstance(data["extra"], dict):
+        return f"extra must be an object, got {data['extra']!r}"
+    return None
