@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from specsplit.protocol.messages import ServerLimits
+from specsplit.protocol.messages import ServerLimits, Verdict
 from specsplit.server import service
 from specsplit.server.config import ServeConfig
 from specsplit.server.engine import KVState
@@ -23,6 +23,7 @@ class Worker:
         self.config = SimpleNamespace(outbox_size=64)
         self.engine = SimpleNamespace(new_state=lambda prompt: KVState())
         self.sessions: dict = {}
+        self.notified = 0
 
     def held(self) -> int:
         return len(self.sessions)
@@ -34,7 +35,7 @@ class Worker:
         self.sessions.pop(session_id, None)
 
     def notify(self) -> None:
-        pass
+        self.notified += 1
 
 
 def _service(worker: Worker) -> service.SpecSplitService:
@@ -90,16 +91,52 @@ def test_a_session_opened_as_its_stream_goes_is_forgotten() -> None:
         yield OPEN
         await asyncio.sleep(60)
 
-    async def main() -> tuple[list[str], int]:
+    async def main() -> tuple[list[str], int, float, float]:
         worker = Worker()
-        stream = _service(worker).Generate(requests(), _Context())
+        svc = _service(worker)
+        stream = svc.Generate(requests(), _Context())
         kinds = [(await stream.__anext__()).WhichOneof("kind") for _ in range(2)]
         while not worker.sessions:  # the second Open is read, its session opened
             await asyncio.sleep(0)
         await stream.aclose()
-        return kinds, len(worker.sessions)
+        ended = sum(svc.metrics.sessions_ended.labels(r)._value.get() for r in ("disconnected", "length"))
+        return kinds, len(worker.sessions), svc.metrics.sessions_total._value.get(), ended
 
-    assert asyncio.run(main()) == (["opened", "done"], 0)
+    # Counted opened as many times as ended: the second, whose Opened never went out, neither
+    # (before: counted opened as the reader read it, and never ended).
+    assert asyncio.run(main()) == (["opened", "done"], 0, 1, 1)
+
+
+def test_an_outbox_that_gets_room_again_wakes_the_worker() -> None:
+    """A session whose outbox is full is passed over, and looked at again only after the
+    stall timeout; a session no drafts wake the worker for (mode none) sat that long idle
+    once its edge had read the outbox down."""
+    verdict = Verdict(start=2, tokens=(5,), accepted=0, proposed=0, candidate_tip=3)
+
+    class FillingWorker(Worker):
+        def add(self, handle) -> None:  # type: ignore[no-untyped-def]
+            super().add(handle)
+            while not handle.outbox.full():  # the verdicts of passes its edge has not read yet
+                handle.outbox.put_nowait(verdict)
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield OPEN
+        await asyncio.sleep(60)
+
+    async def main() -> list[int]:
+        worker = FillingWorker()
+        worker.config.outbox_size = 8
+        stream = _service(worker).Generate(requests(), _Context())
+        notified = []
+        for _ in range(8):  # its Opened, then the seven verdicts that filled the outbox, one by one
+            await asyncio.wait_for(stream.__anext__(), 10)
+            notified.append(worker.notified)
+        await stream.aclose()
+        return notified
+
+    notified = asyncio.run(main())
+    # Woken once, as the outbox falls to OUTBOX_ROOM free places, where the worker takes the session again.
+    assert notified[-1] == 1 and notified[0] == 0, notified
 
 
 def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:

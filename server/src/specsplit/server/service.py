@@ -19,7 +19,7 @@ from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Close, Done, Opened, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
 from specsplit.server.auth import BearerTokenInterceptor, bearer_token
-from specsplit.server.config import SchedulerConfig, ServeConfig
+from specsplit.server.config import OUTBOX_ROOM, SchedulerConfig, ServeConfig
 from specsplit.server.engine import Engine
 from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
 from specsplit.server.listeners import MAX_MESSAGE_BYTES, bind_listeners
@@ -102,10 +102,6 @@ class SpecSplitService:
                         )
                 for item in out:
                     await outbox.put(item)
-                if any(isinstance(item, Opened) for item in out):
-                    # Every session opened, a resumed one that ends at once (its Done beside its
-                    # Opened) too: each is counted ended.
-                    self.metrics.sessions_total.inc()
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
                     pace = PaceLog.for_next(pace, time.monotonic())
@@ -167,6 +163,11 @@ class SpecSplitService:
                     self.idle.discard(conn.stream_id)
                 else:
                     item = await outbox.get()
+                    if outbox.qsize() == outbox.maxsize - OUTBOX_ROOM:
+                        # Room again: the worker, which passes over a session whose outbox is
+                        # full, may take it now rather than when it would look again (after
+                        # --stalled-edge-timeout, for a session no drafts wake it for).
+                        self.worker.notify()
                 if isinstance(item, Evicted):
                     continue  # told to end before its latest Open: that idle spell is over
                 if item is HALF_CLOSED:
@@ -196,6 +197,10 @@ class SpecSplitService:
                                  _client(peer, device), req.draft_mode.name.lower(), len(req.prompt_ids),
                                  req.max_new_tokens, f", resumed after {resumed}" if resumed else "",
                                  extra={"session": session, "device": device})
+                    # Counted as its Opened goes out, where it is also counted active, so that
+                    # every session counted opened is counted ended (one whose Opened never went
+                    # out, its stream gone, is neither).
+                    self.metrics.sessions_total.inc()
                     self.metrics.sessions_active.inc()
                 elif isinstance(item, Verdict):
                     self.metrics.tokens_committed.inc(len(item.tokens))
