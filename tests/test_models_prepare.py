@@ -57,6 +57,24 @@ def test_a_checkpoint_that_lacks_weights_is_refused(tiny, tmp_path) -> None:
         load_model(str(broken))
 
 
+@pytest.mark.parametrize("damage", ["cut-weights", "config-field"])
+def test_a_damaged_checkpoint_is_one_error_line(tiny, tmp_path, capsys, damage) -> None:
+    """Both were a traceback (safetensors' and huggingface_hub's own errors, no ValueErrors)."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny.target_dir, broken)
+    if damage == "cut-weights":
+        with open(broken / "model.safetensors", "r+b") as weights:
+            weights.truncate(1000)
+    else:
+        config = json.loads((broken / "config.json").read_text())
+        config["num_hidden_layers"] = "two"
+        (broken / "config.json").write_text(json.dumps(config))
+    assert server_cli.main(["serve", "--target", str(broken), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load the target {broken}" in err and "cannot read it as a model" in err
+    assert "Traceback" not in err
+
+
 def test_a_missing_source_is_refused_before_anything_is_pulled(tmp_path, monkeypatch) -> None:
     def pulled(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("the default pair was pulled first")

@@ -140,8 +140,13 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
         else:
             model, info = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype], output_loading_info=True,
                                                                **extra)
-    except ValueError as exc:
-        raise UnreadableModel(f"{path}: transformers cannot read it as a model ({exc})") from exc
+    except OSError:
+        raise  # no such path, or a hub id that cannot be fetched: the callers say so as it is
+    # ValueError mostly; but a truncated weight file (safetensors' own error, torch's for a
+    # .bin) or a config field of the wrong type (huggingface_hub's validation) raise others.
+    except Exception as exc:
+        raise UnreadableModel(f"{path}: transformers cannot read it as a model "
+                              f"({type(exc).__name__}: {exc})") from exc
     if not dummy and info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise MissingWeights(f"{path}: the checkpoint lacks {len(missing)} of the model's weights "
