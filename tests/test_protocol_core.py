@@ -386,6 +386,28 @@ def test_an_open_is_refused_by_its_lengths_before_its_ids_are_walked() -> None:
         ServerSession(OpenRequest((1,) * 63 + (10**6,), 4), limits)  # too long, before its bad id is seen
 
 
+@pytest.mark.parametrize(("committed", "max_new", "error", "message"), [
+    # Each was taken: a session 4 tokens past the context (Done at once, committed_length 44),
+    # one past its own max_new_tokens, one that went on generating after its end-of-sequence.
+    ((6,) * 8, 8, errors.PromptTooLong, "exceed the target's context of 40"),
+    ((6,) * 3, 2, errors.InvalidOpen, "committed_ids of 3 tokens exceed the generation's max_new_tokens of 2"),
+    ((6, EOS, 7), 8, errors.InvalidOpen, "stop token before their last"),
+    ((6, 9, 7), 8, errors.InvalidOpen, "stop token before their last"),  # 9: a stop id
+])
+def test_a_resumed_open_no_generation_could_have_committed_is_refused(committed, max_new, error, message) -> None:
+    prompt = (3,) * 36
+    with pytest.raises(error, match=message):
+        ServerSession(OpenRequest(prompt, max_new, committed_ids=committed, stop_ids=(9,)), LIMITS)
+
+
+@pytest.mark.parametrize(("committed", "reason"), [((6,) * 4, DoneReason.CONTEXT), ((6, 6, EOS), DoneReason.EOS)])
+def test_a_resumed_open_whose_done_was_lost_ends_at_once(committed, reason) -> None:
+    """At the context's end, or ending at its end-of-sequence: what a generation whose Done
+    was lost on the way resumes with."""
+    session = ServerSession(OpenRequest((3,) * 36, 8, committed_ids=committed), LIMITS)
+    assert session.done is not None and session.done.reason is reason
+
+
 def test_a_done_reason_this_side_does_not_know_is_a_protocol_error() -> None:
     """A newer server's reason: the edge's callers handle ProtocolError (before: a bare ValueError)."""
     from specsplit.protocol import codec

@@ -115,6 +115,12 @@ class ServerSession:
             raise errors.PromptTooLong(
                 f"prompt of {len(req.prompt_ids)} tokens leaves no room in the target's context of {limits.max_context}"
             )
+        # A resumed generation has at most reached the context's end (its Done lost on the way).
+        if len(req.prompt_ids) + len(req.committed_ids) > limits.max_context:
+            raise errors.PromptTooLong(
+                f"prompt of {len(req.prompt_ids)} tokens and committed_ids of {len(req.committed_ids)} exceed the "
+                f"target's context of {limits.max_context}"
+            )
         if len(req.committed_ids) > limits.max_new_tokens:  # they count toward max_new_tokens
             raise errors.InvalidOpen(f"committed_ids of {len(req.committed_ids)} tokens exceed this server's "
                                      f"max_new_tokens limit of {limits.max_new_tokens}")
@@ -130,6 +136,15 @@ class ServerSession:
             raise errors.InvalidOpen(
                 f"max_new_tokens {req.max_new_tokens} exceeds this server's limit of {limits.max_new_tokens}"
             )
+        # What a generation can have committed: it ends at its max_new_tokens and at the first
+        # end-of-sequence or stop token, which a resumed one's committed_ids may hold only last.
+        if len(req.committed_ids) > req.max_new_tokens:
+            raise errors.InvalidOpen(f"committed_ids of {len(req.committed_ids)} tokens exceed the generation's "
+                                     f"max_new_tokens of {req.max_new_tokens}")
+        ends = {*limits.eos_ids, *req.stop_ids}
+        if any(t in ends for t in req.committed_ids[:-1]):
+            raise errors.InvalidOpen("committed_ids hold an end-of-sequence or stop token before their last: "
+                                     "the generation ended there")
         return req.resolved_mode()
 
     # -- views -----------------------------------------------------------------
