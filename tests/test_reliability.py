@@ -609,7 +609,10 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         # Before any model is loaded (the target here does not exist): a setting that would refuse
         # every session, or a port or file the server cannot use, shows at once.
         (["--target", "/no/such/model", "--max-lookahead", "0"], "--max-lookahead must be at least 1"),
-        (["--target", "/no/such/model", "--max-context", "-5"], "--max-context must be at least 1"),
+        (["--target", "/no/such/model", "--max-context", "-5"], "--max-context must be at least 2"),
+        # Each refused every session it served (every Open OUT_OF_RANGE, RESOURCE_EXHAUSTED).
+        (["--target", "/no/such/model", "--max-context", "1"], "--max-context must be at least 2"),
+        (["--target", "/no/such/model", "--max-message-bytes", "16"], "--max-message-bytes must be 1024 to"),
         (["--target", "/no/such/model", "--threads", "-1"], "--threads must be 0 or more"),
         (["--target", "/no/such/model", "--port", "70000"], "--port must be 0 (any free port) to 65535, got 70000"),
         (["--target", "/no/such/model", "--tls-cert", "/no/cert", "--tls-key", "/no/key"], "--tls-cert /no/cert: no such file"),
@@ -619,7 +622,7 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         # NaN fails every comparison: it passed the checks, and --gil-switch-ms nan aborted Python.
         (["--target", "/no/such/model", "--gil-switch-ms", "nan"], "--gil-switch-ms must be above 0"),
         (["--target", "/no/such/model", "--grace", "nan"], "--grace must be 0 or more"),
-        (["--target", "/no/such/model", "--max-message-bytes", "99999999999"], "at most 2147483647"),
+        (["--target", "/no/such/model", "--max-message-bytes", "99999999999"], "1024 to 2147483647"),
         (["--target", "/no/such/model", "--engine", "static", "--static-max-len", "16"], "--static-max-len must be at least 128"),
         # Config fields under flags of other names (and units) are named by their flags.
         (["--target", "/no/such/model", "--idle-wait-ms", "-1"], "--idle-wait-ms must be 0 or more, got -1.0"),

@@ -22,8 +22,8 @@ from specsplit.server.config import OUTBOX_ROOM, ConfigError, SchedulerConfig, S
         (lambda: SchedulerConfig(outbox_size=OUTBOX_ROOM), "outbox_size", f"must be above {OUTBOX_ROOM}"),
         (lambda: ServeConfig(max_sessions=0), "max_sessions", "must be at least 1"),
         (lambda: ServeConfig(max_new_tokens=0), "max_new_tokens", "must be at least 1"),
-        (lambda: ServeConfig(max_message_bytes=2**31), "max_message_bytes", "must be at most"),
-        (lambda: ServeConfig(max_context=0), "max_context", "must be at least 1"),
+        (lambda: ServeConfig(max_message_bytes=2**31), "max_message_bytes", "must be 1024 to"),
+        (lambda: ServeConfig(max_context=0), "max_context", "must be at least 2"),
         (lambda: ServeConfig(grace_s=math.nan), "grace_s", "must be 0 or more"),
         (lambda: ServeConfig(keepalive_s=0), "keepalive_s", "must be above 0"),
         (lambda: ServeConfig(port=65536), "port", "must be 0"),
@@ -39,4 +39,4 @@ def test_a_setting_no_server_runs_with_is_refused_by_its_field(make, field: str,
 
 def test_the_defaults_and_the_edges_of_the_ranges_are_taken() -> None:
     SchedulerConfig(idle_wait_s=0, max_wait_s=0, pace_tokens_per_s=0, outbox_size=OUTBOX_ROOM + 1)
-    ServeConfig(port=0, max_context=1, grace_s=0, max_idle_streams=0, metrics_port=9091)
+    ServeConfig(port=0, max_context=2, max_message_bytes=1024, grace_s=0, max_idle_streams=0, metrics_port=9091)

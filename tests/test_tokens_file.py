@@ -24,6 +24,11 @@ def test_a_hash_inside_a_token_is_part_of_it_and_a_comment_is_a_whole_line(tmp_p
         _tokens(tmp_path, "edge-1 0123456789abcdef0123 # a comment after it\n")
 
 
+def test_a_byte_order_mark_an_editor_wrote_is_not_part_of_the_first_line(tmp_path) -> None:
+    # Read as part of it, the mark made a first comment a device line, refused as malformed.
+    assert _tokens(tmp_path, "\ufeff# edges\nedge-1 0123456789abcdef0123\n") == {"0123456789abcdef0123": "edge-1"}
+
+
 def test_a_token_no_device_could_send_is_refused_by_its_line(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"tokens:2: token of device dev-x is not printable ASCII"):
         _tokens(tmp_path, "dev-a aaaaaaaaaaaaaaaaaaaa\ndev-x tökenwithumlautsüüüüüü\n")

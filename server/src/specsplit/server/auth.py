@@ -24,7 +24,7 @@ def load_tokens(path: Path) -> dict[str, str]:
     """token -> device id."""
     tokens: dict[str, str] = {}
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # an editor's byte-order mark would hide a first comment
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason})") from None
     for n, line in enumerate(text.splitlines(), start=1):

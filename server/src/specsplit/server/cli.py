@@ -17,7 +17,8 @@ from pathlib import Path
 from specsplit.common.address import check_host_port
 from specsplit.common.export_meta import INT4_BLOCK_SIZE, INT4_BLOCK_SIZES
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
-from specsplit.server.config import IDLE_POLICIES, SchedulerConfig, ServeConfig, resolve_engine
+from specsplit.server.config import IDLE_POLICIES, MIN_MESSAGE_BYTES, SchedulerConfig, ServeConfig, resolve_engine
+from specsplit.server.policy import WAIT_STEP_S
 
 # Not __name__: under `python -m` that is __main__, outside the "specsplit" logger whose level main() sets.
 log = logging.getLogger("specsplit.server.cli")
@@ -281,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "shares with other prompts, not its own earlier keys; the same bits in bf16 on a CPU, elsewhere "
                    "(fp32, a GPU) up to rounding, as in a batch")
     s.add_argument("--static-max-len", type=int, default=2048,
-                   help="static engine: KV positions per session (prompt + output + lookahead must fit)")
+                   help="static engine: KV positions per session; a session's context (prompt + output) is this less the "
+                   "widest feed of a pass, which stays free past its last token (edges see it in Opened.max_context)")
     s.add_argument("--kv-buckets", action=argparse.BooleanOptionalAction, default=None,
                    help="static engine: a pass attends over its rows' positions rounded up to the next of 128, 256, "
                    "512, ... or the whole slot (a CUDA graph for each), not every session's whole slot (default: on "
@@ -320,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gil-switch-ms", type=float, default=0.5,
                    help="longest the target thread waits for the event loop to hand it the GIL (Python's "
                    "switch interval; default 0.5, Python's own is 5)")
-    s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_s * 1000, help="adaptive: longest wait for drafts")
+    s.add_argument("--max-wait-ms", type=float, default=SchedulerConfig.max_wait_s * 1000, help="adaptive: longest wait for drafts, in steps of "
+                   f"{WAIT_STEP_S * 1000:g} ms (below one step: it never waits)")
     s.add_argument("--max-verify-tokens", type=int, default=SchedulerConfig.max_verify_tokens, help="most drafts one verification may take")
     s.add_argument(
         "--fixed-verify",
@@ -346,9 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-sessions", type=int, default=ServeConfig.max_sessions, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=ServeConfig.max_lookahead, help="how far past the committed point drafts may reach")
-    s.add_argument("--max-context", type=int, default=None, help="context limit (default: the target's)")
+    s.add_argument("--max-context", type=int, default=None, help="context limit, at least 2 (default: the target's)")
     s.add_argument("--max-new-tokens-limit", type=int, default=ServeConfig.max_new_tokens, help="largest max_new_tokens a session may ask")
-    s.add_argument("--max-message-bytes", type=int, default=ServeConfig.max_message_bytes, help="larger messages get RESOURCE_EXHAUSTED")
+    s.add_argument("--max-message-bytes", type=int, default=ServeConfig.max_message_bytes, help="larger messages get RESOURCE_EXHAUSTED; the server's own messages are held to it too "
+                   f"(at least {MIN_MESSAGE_BYTES})")
     s.add_argument("--grace", type=float, default=ServeConfig.grace_s, help="seconds open sessions get to finish on SIGTERM")
     s.add_argument("--stalled-edge-timeout", type=float, default=SchedulerConfig.stalled_edge_s,
                    help="seconds an edge may leave its verdicts unread before its session is ended")

@@ -14,6 +14,8 @@ IDLE_POLICIES = ("adaptive", "ar", "wait")
 # Free places a session's outbox needs before a pass takes it: the pass's Verdict and Done,
 # and one more the stream's reader may queue meanwhile (its half-close, or an error).
 OUTBOX_ROOM = 3
+# The least --max-message-bytes: an Open of a short prompt and the server's Opened fit well within it.
+MIN_MESSAGE_BYTES = 1024
 
 
 class ConfigError(ValueError):
@@ -121,16 +123,18 @@ class ServeConfig:
     def __post_init__(self) -> None:
         """Checked here, where serve's command line builds this before the model loads: a
         setting the server cannot run with, or runs refusing every session with, shows at once."""
-        _check_ranges(self, at_least_one=("max_sessions", "max_lookahead", "max_new_tokens", "max_message_bytes",
-                                          "listeners"),
+        _check_ranges(self, at_least_one=("max_sessions", "max_lookahead", "max_new_tokens", "listeners"),
                       not_negative=("grace_s", "max_idle_streams"),
                       positive=("keepalive_s", "keepalive_timeout_s", "idle_stream_s"))
         if not 0 <= self.port <= 65535:
             raise ConfigError("port", "must be 0 (any free port) to 65535", self.port)
-        if self.max_context is not None and not self.max_context >= 1:
-            raise ConfigError("max_context", "must be at least 1 (or unset: the target's)", self.max_context)
-        if self.max_message_bytes > MAX_MESSAGE_BYTES:  # gRPC's limits are C ints
-            raise ConfigError("max_message_bytes", f"must be at most {MAX_MESSAGE_BYTES}", self.max_message_bytes)
+        if self.max_context is not None and not self.max_context >= 2:  # below, no prompt leaves room for a token
+            raise ConfigError("max_context", "must be at least 2, a one-token prompt and one new token (or unset: "
+                              "the target's)", self.max_context)
+        # gRPC's limits are C ints; below the floor not even a short Open or its Opened would fit.
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ConfigError("max_message_bytes", f"must be {MIN_MESSAGE_BYTES} to {MAX_MESSAGE_BYTES}",
+                              self.max_message_bytes)
         if self.metrics_host is not None and self.metrics_port is None:
             raise ConfigError("metrics_host", "places the metrics: give a metrics port too", self.metrics_host)
         if self.metrics_port is not None and (self.metrics_port == self.port or not 1 <= self.metrics_port <= 65535):
