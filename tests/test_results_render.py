@@ -37,6 +37,8 @@ UNRENDERED = ("soak",)  # written by bench/soak.py in one go, with no renderer o
 
 
 def _renderer(name: str) -> Callable[[dict, str], str] | None:
+    if name.startswith("capacity-gpu") and name.endswith("-summary"):
+        return capacity.render  # a load test's capacity summary, named after the load test's result
     for prefixes, render in RENDERERS:
         if name.startswith(prefixes):
             return render

@@ -153,7 +153,7 @@ def test_a_kept_call_refused_by_its_server_moves_to_the_next_without_asking_it_a
     assert two.tokens == [9, 9] and two.stats.reconnects == 1
     assert (first.started, second.started) == (1, 1) and refused.cancelled
     # The wait before the retry is said, so that a device does not look hung.
-    assert f"generation interrupted ({refusal.name}" in caplog.text and "retry 1 of 5" in caplog.text
+    assert f"generation interrupted ({refusal.name}" in caplog.text and f"retry 1 of {ConnectOptions.retries}" in caplog.text
 
 
 def test_past_the_idle_limit_the_longest_idle_stream_ends_and_its_device_carries_on(tiny, tmp_path) -> None:
