@@ -107,6 +107,59 @@ def test_export_refuses_to_replace_a_directory_that_is_not_an_export(tiny, tmp_p
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path) -> None:
+    """Both ran the whole export first (a minute for the default draft), then failed: one
+    where --out could not be made, the other on removing the link it replaced."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(FileExistsError, match="afile is a file: --out"):
+        check_replaceable(tmp_path / "afile" / "draft")
+    (tmp_path / "exp1").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "exp1")
+    with pytest.raises(FileExistsError, match="is a symbolic link"):
+        check_replaceable(tmp_path / "link")
+
+
+def test_an_export_ended_by_sigterm_leaves_no_temporary_files(tiny, tmp_path) -> None:
+    """`docker compose stop`, a timeout or systemd end an export with SIGTERM, which Python
+    does not turn into an exception by itself: the hidden directory of the fp32 graph (2 GB
+    for the default draft) stayed behind, never removed."""
+    import signal
+    import subprocess
+    import sys
+
+    # The export holds on in its parity check, its temporary directory made, until ended.
+    script = ("import sys, time\n"
+              "from specsplit.server import export, cli\n"
+              "def held(*a, **k):\n"
+              "    print('in the export', flush=True)\n"
+              "    time.sleep(120)\n"
+              "export.parity_check = held\n"
+              "sys.exit(cli.main(sys.argv[1:]))\n")
+    out = tmp_path / "out" / "draft"
+    proc = subprocess.Popen([sys.executable, "-c", script, "export-draft", "--model", str(tiny.target_dir),
+                             "--out", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "in the export"
+        assert [p.name for p in out.parent.iterdir() if p.name.startswith(".draft.")]  # its temporary directory
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert list(out.parent.iterdir()) == []
+
+
+def test_a_damaged_prepared_draft_is_exported_again(tiny, tmp_path) -> None:
+    """Its metadata cut short (a full disk, a crash): before, every later prepare failed with
+    a traceback telling the user to export the draft again, which prepare is there to do."""
+    from specsplit.server.models import prepare_draft
+
+    out = tmp_path / "prepared"
+    prepare_draft(tiny.target_dir, out, "int8")
+    (out / "specsplit.json").write_text('{"num_layers": 2')
+    prepare_draft(tiny.target_dir, out, "int8")
+    assert DraftExportMeta.load(out).quantization == "int8"
+
+
 def test_an_earlier_export_or_an_empty_directory_may_be_replaced(tiny, tmp_path) -> None:
     check_replaceable(tmp_path / "new")
     (tmp_path / "empty").mkdir()

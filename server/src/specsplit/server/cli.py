@@ -10,6 +10,7 @@ import asyncio
 import functools
 import gc
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -151,7 +152,7 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         meta = export_draft(args.model, Path(args.out), quantize=args.quantize, tolerance=args.tolerance,
-                            int4_block_size=args.int4_block_size)
+                            int4_block_size=args.int4_block_size or INT4_BLOCK_SIZE)
     except ExportParityError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -392,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8: weights to int8, one scale per output channel; int4: weight matrices to 4 bits "
                    "in blocks (--int4-block-size) with a scale and zero point each, the embedding table to "
                    "int8 (the activations are quantized on the fly in both)")
-    e.add_argument("--int4-block-size", type=int, choices=INT4_BLOCK_SIZES, default=INT4_BLOCK_SIZE,
-                   help="inputs per int4 block (default %(default)s): larger blocks store fewer scales, so a "
+    e.add_argument("--int4-block-size", type=int, choices=INT4_BLOCK_SIZES, default=None,
+                   help=f"with --quantize int4: inputs per int4 block (default {INT4_BLOCK_SIZE}): larger blocks store fewer scales, so a "
                    "draft step reads fewer bytes, at some cost in agreement with the target")
     e.add_argument(
         "--tolerance", type=float, default=5e-3, help="max |logit difference| ONNX Runtime vs torch (fp32 graph)"
@@ -443,6 +444,8 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     checked by serve_checks, some of them against files and ports."""
     if args.func is _models and args.action == "pull" and (args.target or args.draft or args.draft_quantize != "int4"):
         return "--target, --draft and --draft-quantize are for prepare; pull fetches the default pair only"
+    if args.func is _export and args.int4_block_size is not None and args.quantize != "int4":
+        return "--int4-block-size is for --quantize int4"
     if args.func is _export and not args.tolerance >= 0:
         return f"--tolerance must be 0 or more, got {args.tolerance}"
     if args.func is _health:
@@ -455,6 +458,10 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
         except ValueError as exc:
             return f"--address: {exc}, got {args.address!r}"
     return None
+
+
+def _end_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the status a shell reports for a program ended by it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -470,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         for handler in logging.getLogger().handlers:
             handler.setFormatter(JsonFormatter())
     logging.getLogger("specsplit").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if args.func in (_export, _models):
+        # Ended as an exception, so that what they write beside the result (a temporary
+        # export of the draft's fp32 graph, about 2 GB) is removed on the way out.
+        signal.signal(signal.SIGTERM, _end_on_sigterm)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # while loading, say: serving itself drains on SIGINT and returns

@@ -181,6 +181,14 @@ def check_replaceable(out_dir: Path) -> None:
     """Raise unless `out_dir` may be written over: absent, empty, or an earlier export (it
     holds META_FILE). The export replaces the whole directory, so a mistyped --out must not
     take someone's files with it."""
+    if out_dir.is_symlink():  # replaced whole, the link would go and its target stay
+        raise FileExistsError(f"{out_dir} is a symbolic link: give the directory it points to "
+                              f"({out_dir.resolve()}) or a new one")
+    for parent in out_dir.absolute().parents:  # found now, not once the model has loaded
+        if parent.exists():
+            if not parent.is_dir():
+                raise FileExistsError(f"{parent} is a file: --out {out_dir} cannot be made in it")
+            break
     if not out_dir.exists():
         return
     if not out_dir.is_dir():

