@@ -98,6 +98,13 @@ def test_loading_and_preparing_read_a_source_by_one_rule(tiny, tmp_path, monkeyp
     (tmp_path / "dir.gguf").mkdir()
     with pytest.raises(FileNotFoundError, match="is not a GGUF file"):
         load_model(str(tmp_path / "dir.gguf"))
+    # Paths written without ./ (each was looked up on the hub, a minute of retries offline):
+    # more parts than ORG/NAME, or an ORG that is a directory here.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    for typo in ("models/tiny_typo", "exports/drafts/tiny"):
+        with pytest.raises(FileNotFoundError, match=f"model {typo} does not exist \\(a path"):
+            load_model(typo)
 
 
 def test_a_draft_exported_with_another_tokenizer_is_refused(tiny, tmp_path) -> None:

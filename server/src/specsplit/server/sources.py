@@ -22,6 +22,10 @@ def local_source(source: str, what: str) -> str:
         raise FileNotFoundError(f"{what} {source} does not exist")
     if not path.exists() and "/" not in source:  # a mistyped directory name, which the hub would retry for a minute
         raise FileNotFoundError(f"{what} {source} does not exist here, and a hub id is written ORG/NAME")
+    # More than ORG/NAME, or an ORG that is a directory here: a mistyped path, not a hub id.
+    if not path.exists() and (source.count("/") > 1 or Path(source.split("/")[0]).is_dir()):
+        raise FileNotFoundError(f"{what} {source} does not exist (a path, as its first part "
+                                f"{'is a directory here' if source.count('/') == 1 else 'is followed by more'})")
     return str(path) if source.startswith("~") else source
 
 
