@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra arguments for specsplit-server serve, as one string (shell quoting applies); "
                    "give it with = where it starts with a dash: --server-args='--fuse --max-wait-ms 50'")
     p.add_argument("--resume", action="store_true",
-                   help="keep the runs already in <out>/<name>.json (same settings) and measure only the missing ones")
+                   help="keep the runs already in <out>/<name>.partial.json, a stopped sweep's (or in <out>/<name>.json; "
+                   "same settings) and measure only the missing ones. Without it an earlier <name>.json stays as it "
+                   "is until the new sweep completes")
     p.add_argument("--out", type=out_dir, default=HERE / "results", help="where (default: bench/results)")
     args = p.parse_args(argv)
     if args.prompts > len(all_prompts):

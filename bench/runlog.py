@@ -1,8 +1,9 @@
 """A benchmark's results, saved after every run so that a long sweep can be stopped and resumed.
 
 The full sweep takes hours on a small machine. Its JSON and Markdown are rewritten after each
-measured run (marked incomplete until the last one), so a stopped sweep loses at most the run in
-progress and `--resume` measures only what is missing. Every (prompt, RTT) group of modes still
+measured run, as NAME.partial.json (and .md) until the last one, so a stopped sweep loses at most
+the run in progress and `--resume` measures only what is missing; the result of an earlier
+sweep under NAME (a committed one, say) stays as it was until the new one is complete. Every (prompt, RTT) group of modes still
 runs side by side in one server's lifetime, so per-prompt ratios stay like for like; each
 invocation's machine and wall time are recorded.
 """
@@ -32,10 +33,13 @@ class RunLog:
 
     def __init__(self, path: Path, header: dict, render: Callable[[dict], str], summarize: Callable[[list], list],
                  resume: bool) -> None:
-        self.path, self.render, self.summarize = path, render, summarize
+        self.final, self.render, self.summarize = path, render, summarize
+        self.path = partial_path(path)  # where the result is now: the final path once complete
         self.started = time.time()
         self.result = {**header, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
                        "complete": False, "invocations": [], "runs": []}
+        if resume and self.path.is_file():
+            path = self.path
         if resume and path.is_file():
             try:
                 previous = json.loads(path.read_text())
@@ -74,8 +78,17 @@ class RunLog:
         self.result["wall_s"] = sum(i["wall_s"] for i in self.result["invocations"])
         self.result["complete"] = complete
         self.result["summary"] = self.summarize(self.result["runs"])
+        partial, self.path = self.path, self.final if complete else self.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.result, indent=1) + "\n")
         tmp.replace(self.path)  # a stop mid-write leaves the previous result whole
         self.path.with_suffix(".md").write_text(self.render(self.result))
+        if complete and partial != self.path:
+            partial.unlink(missing_ok=True)
+            partial.with_suffix(".md").unlink(missing_ok=True)
+
+
+def partial_path(path: Path) -> Path:
+    """Where a result named by `path` (NAME.json) is kept until it is complete."""
+    return path.with_name(f"{path.stem}.partial.json")

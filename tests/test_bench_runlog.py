@@ -36,9 +36,10 @@ def test_a_stopped_sweep_resumes_with_only_the_missing_runs(tmp_path):
     first.add(_run("none", "a", 1.0, [1, 2, 3, 4]))
     first.add(_run("sync-8", "a", 2.0, [1, 2, 3, 4]))
     # The process stops here: the saved result is whole, marked incomplete, with a report beside it.
-    saved = json.loads(path.read_text())
+    partial = tmp_path / "t.partial.json"
+    saved = json.loads(partial.read_text())
     assert saved["complete"] is False and len(saved["runs"]) == 2
-    assert "| 50 | sync-8 | 1 | 2.00 | 2.00x" in path.with_suffix(".md").read_text()
+    assert "| 50 | sync-8 | 1 | 2.00 | 2.00x" in partial.with_suffix(".md").read_text()
 
     second = _log(path, resume=True)
     assert second.missing(keys) == keys[2:]
@@ -46,9 +47,25 @@ def test_a_stopped_sweep_resumes_with_only_the_missing_runs(tmp_path):
     second.save(complete=True)
     final = json.loads(path.read_text())
     assert final["complete"] is True and len(final["invocations"]) == 2
+    assert not partial.exists() and not partial.with_suffix(".md").exists()
     by_mode = {s["mode"]: s for s in final["summary"]}
     assert by_mode["async"]["speedup_vs_none"] == pytest.approx(3.0)
     assert by_mode["async"]["identical"] is False  # compared with the first invocation's `none`
+
+
+def test_an_earlier_result_stays_whole_until_the_new_sweep_is_complete(tmp_path):
+    """`make bench-quick` again, stopped after its first run, replaced the committed result
+    with that one run, marked incomplete."""
+    path = tmp_path / "t.json"
+    earlier = _log(path, resume=False)
+    earlier.add(_run("none", "a", 1.0, [1]))
+    earlier.save(complete=True)
+    kept = path.read_text(), path.with_suffix(".md").read_text()
+    again = _log(path, resume=False)
+    again.add(_run("none", "a", 2.0, [1]))  # ... and it stops here
+    assert (path.read_text(), path.with_suffix(".md").read_text()) == kept
+    again.save(complete=True)
+    assert json.loads(path.read_text())["runs"][0]["tokens_per_s"] == 2.0
 
 
 def test_without_resume_the_earlier_runs_are_dropped(tmp_path):
@@ -96,7 +113,7 @@ def test_the_report_orders_any_sync_k_and_gives_the_cap_its_unit(tmp_path):
         log.add(_run(mode, "a", 1.0, [1]))
     assert [s["mode"] for s in log.result["summary"]] == ["none", "sync-3", "sync-12", "async"]
     log.add({**_run("draft", "a", 9.0, [2]), "rtt_ms": None, "drafts_wasted": 0, "server_idle_fraction": 0.0})
-    md = path.with_suffix(".md").read_text()
+    md = log.path.with_suffix(".md").read_text()  # the partial result's report, until complete
     assert "bandwidth cap 10 Mbit/s each way" in md
     draft_row = next(line for line in md.splitlines() if line.startswith("| n/a | draft |"))
     assert draft_row.endswith("| –/– |" + " – |" * 11)  # no 0% for what it has not
