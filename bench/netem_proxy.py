@@ -132,7 +132,8 @@ class NetemProxy:
 
 async def _main(args: argparse.Namespace) -> None:
     host, port = args.target.rsplit(":", 1)
-    proxy = NetemProxy(host, int(port), LinkConfig(args.delay_ms / 1000, args.rate_mbit * 1e6))
+    # [::1]:PORT: the address without its brackets, which the connection would take for a name.
+    proxy = NetemProxy(host.strip("[]"), int(port), LinkConfig(args.delay_ms / 1000, args.rate_mbit * 1e6))
     listen = await proxy.start(args.host, args.port)
     rate = f"{args.rate_mbit:g} Mbit/s each way" if args.rate_mbit else "no bandwidth cap"
     print(f"proxy {bracketed(args.host)}:{listen} -> {args.target}, one-way delay {args.delay_ms:g} ms, {rate}",

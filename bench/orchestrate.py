@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -89,6 +91,10 @@ def running_server(target: str, cores: Sequence[int] | None, extra: Sequence[str
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin(cores),
                             env={**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+    # A plain `kill`, a job's timeout or systemd end the driver alone with SIGTERM, which
+    # Python does not turn into an exception: the server was left running, holding its core.
+    previous = signal.signal(signal.SIGTERM, _end_on_sigterm) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         if wait:
             wait_healthy(f"127.0.0.1:{port}", proc, ready_timeout)
@@ -103,6 +109,12 @@ def running_server(target: str, cores: Sequence[int] | None, extra: Sequence[str
                 proc.wait()
         if log is not subprocess.DEVNULL:
             log.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _end_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # the status a shell reports for a program ended by it
 
 
 def run_edge(server: str, draft: str, prompt: str, mode: str, cores: Sequence[int] | None,

@@ -81,7 +81,10 @@ def async_window(window: str) -> list[str]:
 
 # Set by the benchmark itself: given again in --server-args, they would break the run or make
 # its header describe another server.
-OWN_SERVE_OPTIONS = ("--target", "--port", "--host", "--dtype", "--threads")
+# Set by the benchmark, or stated by its report's header (a CPU server on one core, the real
+# target by its name): given through --server-args the header would say what the run did not do.
+OWN_SERVE_OPTIONS = ("--target", "--port", "--host", "--dtype", "--threads", "--device", "--load-format",
+                     "--model-name")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,9 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     # At serve's default value too: given after the benchmark's own, it would win.
     (["--name", "x", "--server-args=--port 50051"], "--port is the benchmark's to set"),
     (["--name", "x", "--server-args=--he"], "--help prints serve's help"),
+    # The report's header would have said a CPU server on one core, and the real target.
+    (["--name", "x", "--server-args=--device cuda"], "--device is the benchmark's to set"),
+    (["--name", "x", "--server-args=--load-format dummy"], "--load-format is the benchmark's to set"),
 ])
 def test_the_benchmark_refuses_settings_before_it_prepares_models(extra, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:

@@ -132,7 +132,8 @@ def test_an_export_ended_by_sigterm_leaves_no_temporary_files(tiny, tmp_path) ->
               "from specsplit.server import export, cli\n"
               "def held(*a, **k):\n"
               "    print('in the export', flush=True)\n"
-              "    time.sleep(120)\n"
+              "    for _ in range(1200):\n"  # short waits: a signal that lands on another thread
+              "        time.sleep(0.1)\n"  # is handled once the main thread is back in Python
               "export.parity_check = held\n"
               "sys.exit(cli.main(sys.argv[1:]))\n")
     out = tmp_path / "out" / "draft"

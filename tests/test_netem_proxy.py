@@ -121,3 +121,35 @@ def test_chunks_are_booked_on_the_shared_link_as_they_are_read(monkeypatch) -> N
     assert proxy._arrival("up", 1000) == pytest.approx(0.701)  # an idle link sends at once
     free = NetemProxy("127.0.0.1", 1, LinkConfig(delay_s=0.2))  # no cap: the delay alone, whatever else is sent
     assert free._arrival("up", 10**9) == free._arrival("up", 1) == pytest.approx(0.7)
+
+
+def test_the_command_line_proxy_reaches_an_ipv6_target() -> None:
+    """--target [::1]:PORT, as its own check advertises: the brackets went to the connection
+    as part of the host, and every connection was closed without a word."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    async def main() -> bytes:
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.write(await r.read(100))
+            await w.drain()
+            w.close()
+
+        server = await asyncio.start_server(handle, "::1", 0)
+        port = server.sockets[0].getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(Path(netem_proxy.__file__)), "--target", f"[::1]:{port}", "--port", "0",
+            "--delay-ms", "1", stdout=subprocess.PIPE)
+        try:
+            banner = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()  # proxy HOST:PORT -> ...
+            listen = int(banner.split(" ", 2)[1].rsplit(":", 1)[1])
+            r, w = await asyncio.open_connection("127.0.0.1", listen)
+            w.write(b"hello")
+            return await asyncio.wait_for(r.read(100), 10)
+        finally:
+            proc.kill()
+            await proc.wait()
+            server.close()
+
+    assert asyncio.run(main()) == b"hello"

@@ -54,3 +54,28 @@ def test_a_core_this_process_cannot_use_is_refused_not_dropped() -> None:
     """Dropped, the child ran unpinned while the report named the core."""
     with pytest.raises(ValueError, match="not available here"):
         pin([max(START_CORES) + 1000])
+
+
+def test_a_driver_ended_by_sigterm_stops_its_server(tiny) -> None:
+    """A plain `kill`, a job's timeout or systemd end the benchmark's driver alone: its server
+    was left running, re-parented, holding its port and its pinned core."""
+    import signal
+    from pathlib import Path
+
+    script = ("import sys, time\n"
+              f"sys.path.insert(0, {str(Path(orchestrate.__file__).parent)!r})\n"
+              "from orchestrate import running_server\n"
+              "with running_server(sys.argv[1], None) as (address, server):\n"
+              "    print(server.pid, flush=True)\n"
+              # Short waits, as the drivers' own: a signal that lands on another of the process's
+              # threads (gRPC's) is handled once the main thread is back in Python.
+              "    for _ in range(1200):\n"
+              "        time.sleep(0.1)\n")
+    driver = subprocess.Popen([sys.executable, "-c", script, str(tiny.target_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(driver.stdout.readline())  # once the server answers its health check
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        driver.kill()
+    assert not Path(f"/proc/{server}").exists()  # stopped and reaped by the driver on its way out
