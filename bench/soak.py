@@ -33,6 +33,8 @@ from specsplit.edge.tokenizer import EdgeTokenizer
 
 HERE = Path(__file__).resolve().parent
 WARM_UP_S = 60  # memory is judged from here on: the first minute fills caches and pools
+ERROR_PAUSE_S = 0.05  # after a failed generation: a refused call must not become a busy loop
+SAMPLE_S = 5.0  # how often the server's memory is sampled (and its being alive checked)
 PROMPTS = ["def add(a, b):", "The quick brown fox", "for i in range(10):", "import numpy as np", "Hello, how are"]
 
 
@@ -43,6 +45,7 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
     done = tokens = 0
     memory: list[tuple[float, int]] = []
     deadline = time.monotonic() + duration_s
+    lost = False  # the server exited: the soak ends there, failed
     start = time.monotonic()
 
     async def worker(i: int) -> None:
@@ -53,7 +56,7 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
         async with grpc.aio.insecure_channel(address) as channel:
             # Half the devices keep their stream between generations, half start a call for each.
             stream = GenerateStream.on(channel) if i % 2 == 0 else None
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not lost:
                 cfg = EdgeConfig(mode=modes[n % 3], max_new_tokens=16 + (i + n) % 48, window=8, k=4)
                 try:
                     r = await generate(stream or channel, prompts[(i + n) % len(prompts)], cfg, drafter=drafter,
@@ -62,17 +65,26 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
                     tokens += len(r.tokens)
                 except GENERATION_FAILURES as exc:  # what a soak is for: counted, not raised
                     errors[status_name(exc)] += 1
+                    await asyncio.sleep(ERROR_PAUSE_S)
                 n += 1
             if stream is not None:
                 stream.close()
 
     async def sample() -> None:
+        nonlocal lost
         while time.monotonic() < deadline:
-            memory.append((time.monotonic() - start, proc.memory_info().rss))
-            await asyncio.sleep(5)
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:  # its memory would read 0
+                    raise psutil.NoSuchProcess(proc.pid)
+                memory.append((time.monotonic() - start, proc.memory_info().rss))
+            except psutil.NoSuchProcess:
+                lost = True
+                return
+            await asyncio.sleep(SAMPLE_S)
 
     await asyncio.gather(sample(), *(worker(i) for i in range(sessions)))
-    return {"generations": done, "tokens": tokens, "errors": dict(errors), "rss_samples": memory}
+    return {"generations": done, "tokens": tokens, "errors": dict(errors), "rss_samples": memory,
+            "server_exited": lost}
 
 
 def main() -> int:
@@ -97,7 +109,7 @@ def main() -> int:
     judged_from = f"after {WARM_UP_S // 60} min warm-up" if warm else "at the start (the run is too short to leave out a warm-up)"
     warm = warm or [rss for _, rss in samples]
     growth = (warm[-1] - warm[0]) / warm[0]
-    passed = not result["errors"] and growth <= args.margin
+    passed = not result["errors"] and not result["server_exited"] and growth <= args.margin
     report = {"sessions": args.sessions, "minutes": args.minutes, **result,
               "rss_after_warmup_mb": warm[0] / 2**20, "rss_end_mb": warm[-1] / 2**20, "rss_growth": growth,
               "margin": args.margin, "passed": passed,
@@ -111,6 +123,7 @@ def main() -> int:
         f"# Soak: {args.sessions} concurrent sessions for {args.minutes:g} min\n\n"
         f"- machine: {report['machine']['cpu']}, {report['machine']['cores']} cores\n- {report['setup']}\n- generations completed: {result['generations']}, tokens: {result['tokens']}\n"
         f"- errors by status: {result['errors'] or 'none'}\n"
+        f"{'- the server exited during the soak, which ended there' + chr(10) if result['server_exited'] else ''}"
         f"- server RSS {judged_from} {report['rss_after_warmup_mb']:.0f} MB, at the end "
         f"{report['rss_end_mb']:.0f} MB ({growth:+.1%}; margin {args.margin:.0%})\n- result: "
         f"{'PASS' if passed else 'FAIL'}\n\nRerun: `{report['rerun']}`.\n")
