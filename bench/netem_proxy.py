@@ -20,6 +20,9 @@ from cli_types import at_least, host_port, port
 from specsplit.common.address import bracketed
 
 
+SEGMENT_BYTES = 1500  # what a capped link sends at a time: an Ethernet frame's payload
+
+
 @dataclass
 class LinkConfig:
     delay_s: float = 0.0  # one way
@@ -91,6 +94,15 @@ class NetemProxy:
         self._link_free[direction] = sent
         return sent + self.link.delay_s
 
+    def _segments(self, data: bytes) -> list[bytes]:
+        """A chunk as the capped link carries it, a packet at a time: a small message read
+        together with bulk data arrives with its own packet, not once the whole chunk has
+        been sent (a 4-byte reply behind 64 KiB at 8 Mbit/s was 65 ms late). Without a cap
+        every byte arrives after the delay alone, so the chunk goes whole."""
+        if self.link.rate_bps <= 0:
+            return [data]
+        return [data[i : i + SEGMENT_BYTES] for i in range(0, len(data), SEGMENT_BYTES)]
+
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -123,7 +135,8 @@ class NetemProxy:
                     return
                 if not (data := read.result()):
                     break
-                queue.put_nowait((self._arrival(direction, len(data)), data))
+                for segment in self._segments(data):
+                    queue.put_nowait((self._arrival(direction, len(segment)), segment))
             queue.put_nowait((time.monotonic(), None))
             await sender
         finally:

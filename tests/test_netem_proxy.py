@@ -153,3 +153,17 @@ def test_the_command_line_proxy_reaches_an_ipv6_target() -> None:
             server.close()
 
     assert asyncio.run(main()) == b"hello"
+
+
+def test_a_capped_link_delivers_a_chunk_a_packet_at_a_time(monkeypatch) -> None:
+    """A chunk of 64 KiB read at once went out whole, after its whole transmission time: a
+    small message at its end came no sooner than the bulk before it, where a real link would
+    have carried the bulk's first packets on their way long before."""
+    now = [0.0]
+    monkeypatch.setattr(netem_proxy.time, "monotonic", lambda: now[0])
+    proxy = NetemProxy("127.0.0.1", 1, LinkConfig(delay_s=0.1, rate_bps=8e6))  # 1500 bytes: 1.5 ms
+    segments = proxy._segments(b"x" * 4000)
+    assert [len(s) for s in segments] == [1500, 1500, 1000]
+    arrivals = [proxy._arrival("up", len(s)) for s in segments]
+    assert arrivals == pytest.approx([0.1015, 0.103, 0.104])  # the first packet is not held for the last
+    assert NetemProxy("127.0.0.1", 1, LinkConfig(delay_s=0.1))._segments(b"x" * 4000) == [b"x" * 4000]
