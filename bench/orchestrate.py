@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from cli_types import START_CORES, check_cores
+from specsplit.common.signals import exit_on_sigterm
 
 BIN = Path(sys.executable).parent
 
@@ -93,7 +94,7 @@ def running_server(target: str, cores: Sequence[int] | None, extra: Sequence[str
                             env={**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
     # A plain `kill`, a job's timeout or systemd end the driver alone with SIGTERM, which
     # Python does not turn into an exception: the server was left running, holding its core.
-    previous = signal.signal(signal.SIGTERM, _end_on_sigterm) \
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm) \
         if threading.current_thread() is threading.main_thread() else None
     try:
         if wait:
@@ -111,10 +112,6 @@ def running_server(target: str, cores: Sequence[int] | None, extra: Sequence[str
             log.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _end_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # the status a shell reports for a program ended by it
 
 
 def run_edge(server: str, draft: str, prompt: str, mode: str, cores: Sequence[int] | None,

@@ -38,7 +38,7 @@ class RunLog:
         self.started = time.time()
         self.result = {**header, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(self.started)),
                        "complete": False, "invocations": [], "runs": []}
-        if resume and self.path.is_file():
+        if resume and self.path.is_file():  # a stopped sweep's, before a complete one's
             path = self.path
         if resume and path.is_file():
             try:

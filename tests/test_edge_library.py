@@ -60,8 +60,8 @@ def test_the_default_retries_outlast_a_restart_of_the_default_target() -> None:
     default of 5 retries gave up after 15.5 s of waits (16 to 23 s with the spread)."""
     from specsplit.edge.retry import retry_span
 
-    assert retry_span(ConnectOptions.retries) >= 60
-    assert retry_span(5) == 0.5 + 1 + 2 + 4 + 8 and retry_span(0) == 0
+    assert retry_span(ConnectOptions.retries, ConnectOptions.backoff_s) >= 60
+    assert retry_span(5, 0.5) == 0.5 + 1 + 2 + 4 + 8 and retry_span(0, 0.5) == 0
 
 
 @pytest.mark.parametrize(("ids", "message"), [

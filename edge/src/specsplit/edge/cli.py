@@ -37,7 +37,7 @@ from specsplit.edge.client import (
     open_channel,
 )
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
-from specsplit.edge.retry import retry_span
+from specsplit.edge.retry import MAX_BACKOFF_S, retry_span
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import TEMPLATE_FAILED, EdgeTokenizer
 from specsplit.protocol.errors import ProtocolError
@@ -326,8 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--retries", type=int, default=ConnectOptions.retries, help="re-opens in a row after a lost server or stream, or a full one that says when "
                    "to try again (resumes, on the next --server if there are several: a failover is a retry, so give "
                    "at least one fewer than the servers); an attempt that committed tokens starts the count and "
-                   "the backoff over. The waits between them double from 0.5 s up to 8 s: the default, %(default)s, rides out "
-                   f"about {retry_span(ConnectOptions.retries):.0f} s or more of a server that is down (a restart of "
+                   f"the backoff over. The waits between them double from {ConnectOptions.backoff_s:g} s up to "
+                   f"{MAX_BACKOFF_S:g} s: the default, %(default)s, rides out "
+                   f"about {retry_span(ConnectOptions.retries, ConnectOptions.backoff_s):.0f} s or more of a server that is down (a restart of "
                    "the default target takes about a minute)")
     g.add_argument("--stall-timeout", type=float, default=ConnectOptions.stall_timeout_s,
                    help="seconds without a message from the server before the stream counts as lost")

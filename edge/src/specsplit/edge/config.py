@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from specsplit.common.values import real as _real
+from specsplit.common.values import whole as _whole
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES
 from specsplit.protocol.messages import MAX_DIST_IDS, MAX_STOP_IDS, DraftMode, SamplingParams, VerificationMode
 
@@ -24,15 +25,6 @@ class ConfigError(ValueError):
         super().__init__(f"{field_name} {problem}")
         self.field = field_name
         self.problem = problem
-
-
-def _whole(value: object) -> bool:
-    """An int or numpy integer, not a bool (which Python counts as one)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # EdgeConfig's whole-number settings and their least values.
@@ -50,7 +42,7 @@ class ConnectOptions:
     # attempt that committed tokens starts the count (and the backoff) over. Twelve wait 71.5 s
     # at the least: a restarted server's time to load the default target, with room to spare.
     retries: int = 12
-    backoff_s: float = 0.5  # doubled after each failed attempt, up to 8 s; back to this after progress
+    backoff_s: float = 0.5  # doubled after each failed attempt, up to retry.MAX_BACKOFF_S; back to this after progress
 
     def __post_init__(self) -> None:
         # gRPC metadata carries printable ASCII only; any other token fails every call with

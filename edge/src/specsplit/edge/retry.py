@@ -37,7 +37,7 @@ def next_backoff(backoff: float) -> float:
     return min(backoff * 2, MAX_BACKOFF_S)
 
 
-def retry_span(retries: int, backoff: float = 0.5) -> float:
+def retry_span(retries: int, backoff: float) -> float:
     """The least time `retries` re-opens in a row wait in all, from a first backoff of
     `backoff`: how long a server may be down before the edge gives up."""
     total = 0.0

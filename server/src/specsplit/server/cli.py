@@ -18,6 +18,7 @@ from pathlib import Path
 from specsplit.common.address import check_host_port
 from specsplit.common.export_meta import INT4_BLOCK_SIZE, INT4_BLOCK_SIZES
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
+from specsplit.common.signals import exit_on_sigterm
 from specsplit.server.config import IDLE_POLICIES, MIN_MESSAGE_BYTES, SchedulerConfig, ServeConfig, resolve_engine
 from specsplit.server.policy import WAIT_STEP_S
 
@@ -460,10 +461,6 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _end_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # the status a shell reports for a program ended by it
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if problem := _usage_problem(args):
@@ -480,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.func in (_export, _models):
         # Ended as an exception, so that what they write beside the result (a temporary
         # export of the draft's fp32 graph, about 2 GB) is removed on the way out.
-        signal.signal(signal.SIGTERM, _end_on_sigterm)
+        signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         return args.func(args)
     except KeyboardInterrupt:  # while loading, say: serving itself drains on SIGINT and returns

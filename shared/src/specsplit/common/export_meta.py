@@ -6,6 +6,8 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
+from specsplit.common.values import real, whole
+
 META_FILE = "specsplit.json"
 MODEL_FILE = "model.onnx"
 # The graph's inputs and outputs beside the caches: what the exporter names and the drafter feeds.
@@ -79,23 +81,18 @@ class DraftExportMeta:
         return cls(**data)
 
 
-def _whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _wrong_type(data: dict) -> str | None:
     """What in a metadata object has the wrong type, found here: a hand-edited file would
     otherwise fail later, deep in loading or in the first drafting step."""
     for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
-        if not _whole(data[name]) or data[name] < 1:
+        if not whole(data[name]) or data[name] < 1:
             return f"{name} must be a whole number of at least 1, got {data[name]!r}"
-    if not isinstance(data["eos_ids"], list) or not all(_whole(t) and t >= 0 for t in data["eos_ids"]):
+    if not isinstance(data["eos_ids"], list) or not all(whole(t) and t >= 0 for t in data["eos_ids"]):
         return f"eos_ids must be a list of token ids, got {data['eos_ids']!r}"
     for name in ("tokenizer_fingerprint", "source_model", "source_sha256", "quantization", "dtype"):
         if name in data and not isinstance(data[name], str):
             return f"{name} must be a string, got {data[name]!r}"
-    if "max_abs_logit_diff" in data and (isinstance(data["max_abs_logit_diff"], bool)
-                                         or not isinstance(data["max_abs_logit_diff"], (int, float))):
+    if "max_abs_logit_diff" in data and not real(data["max_abs_logit_diff"]):
         return f"max_abs_logit_diff must be a number, got {data['max_abs_logit_diff']!r}"
     if "extra" in data and not isinstance(data["extra"], dict):
         return f"extra must be an object, got {data['extra']!r}"
