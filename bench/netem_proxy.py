@@ -4,7 +4,8 @@ User-space stand-in for netem: every chunk read from one side is delivered to th
 other `delay` seconds later, and no faster than `rate` allows (a chunk occupies the
 link for len * 8 / rate seconds, in order). Each direction is one link, shared by every
 connection through the proxy, as one network path is. A side that half-closes has all it
-sent delivered before the other side sees the end. The proxy can also be paused, to stall
+sent delivered before the other side sees the end; one that resets, all it sent before the
+reset (what was on its way to it is dropped, as a reset host drops it). The proxy can also be paused, to stall
 the network without closing connections, or cut, to close them all.
 """
 from __future__ import annotations
@@ -12,8 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import socket
+import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cli_types import at_least, host_port, port
@@ -70,18 +74,22 @@ class NetemProxy:
         except OSError:
             client_w.close()
             return
-        up = asyncio.create_task(self._pump(client_r, target_w, "up"))
-        down = asyncio.create_task(self._pump(target_r, client_w, "down"))
-        self._tasks |= {up, down}
-        # Both directions run to their own end (a half-close ends one, not the other), unless
-        # one fails (a reset): then the connection is over.
-        await asyncio.wait({up, down}, return_when=asyncio.FIRST_EXCEPTION)
-        for t in (up, down):
-            t.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)  # (a reset is no error of the proxy's)
+        pumps: dict[str, asyncio.Task] = {}
+
+        def gone(toward: str) -> None:
+            # A side that reset takes nothing more: what is on its way to it is dropped. What
+            # it sent before still reaches the other side on schedule, and the reset after it.
+            pumps[toward].cancel()
+        pumps["up"] = asyncio.create_task(self._pump(client_r, target_w, "up", lambda: gone("down")))
+        pumps["down"] = asyncio.create_task(self._pump(target_r, client_w, "down", lambda: gone("up")))
+        tasks = set(pumps.values())
+        self._tasks |= tasks
+        # Each direction runs to its own end: a half-close ends one, not the other, and a
+        # side that cannot be written to any more is read until it ends too.
+        await asyncio.gather(*tasks, return_exceptions=True)  # (a reset is no error of the proxy's)
         for w in (client_w, target_w):
             w.close()
-        self._tasks -= {up, down}
+        self._tasks -= tasks
 
     def _arrival(self, direction: str, size: int) -> float:
         """When a chunk read now reaches the other side: after the chunks already on its
@@ -103,7 +111,11 @@ class NetemProxy:
             return [data]
         return [data[i : i + SEGMENT_BYTES] for i in range(0, len(data), SEGMENT_BYTES)]
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str,
+                    on_reset: Callable[[], None]) -> None:
+        """Carry one direction: what is read goes out at its arrival time. The end of the
+        reader's side goes after what it sent, as an end (a half-close) or a reset, which
+        also calls `on_reset`. A failed write ends the direction at once."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def deliver() -> None:
@@ -117,6 +129,9 @@ class NetemProxy:
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                if data is RESET:
+                    _reset(writer)
+                    return
                 writer.write(data)
                 await writer.drain()
                 if direction == "up":
@@ -133,14 +148,32 @@ class NetemProxy:
                     read.cancel()
                     sender.result()
                     return
-                if not (data := read.result()):
+                try:
+                    data = read.result()
+                except ConnectionError:  # the reader's side reset
+                    on_reset()
+                    queue.put_nowait((self._arrival(direction, 0), RESET))
+                    break
+                if not data:
+                    queue.put_nowait((time.monotonic(), None))
                     break
                 for segment in self._segments(data):
                     queue.put_nowait((self._arrival(direction, len(segment)), segment))
-            queue.put_nowait((time.monotonic(), None))
             await sender
         finally:
             sender.cancel()
+
+
+RESET = object()  # queued after a side's last chunk: the reset that ended it
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a reset (RST), not an end (FIN): lingering for 0 s drops what is unsent."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 async def _main(args: argparse.Namespace) -> None:

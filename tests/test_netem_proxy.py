@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 
 import pytest
@@ -99,6 +101,37 @@ def test_a_half_close_delivers_everything_sent_before_it() -> None:
         w.write(b"y" * 1000)
         w.write_eof()
         assert await asyncio.wait_for(r.read(), 5) == b"y" * 1000  # all of it, then the end
+        w.close()
+        await proxy.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_reset_arrives_after_what_its_side_sent_before_it() -> None:
+    """A server that answers and resets: the answer still crosses the link, on schedule, and
+    the reset after it. Before, the reset cancelled both directions at once: the answer still
+    waiting out its delay was dropped and the client saw the end at once, with nothing."""
+    async def main() -> None:
+        async def answer_and_reset(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.readexactly(4)
+            w.write(b"z" * 3000)
+            await w.drain()
+            sock = w.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            w.transport.abort()
+
+        server = await asyncio.start_server(answer_and_reset, "127.0.0.1", 0)
+        proxy = NetemProxy("127.0.0.1", server.sockets[0].getsockname()[1], LinkConfig(delay_s=0.1))
+        r, w = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        t0 = time.monotonic()
+        w.write(b"ping")
+        got = b""
+        with pytest.raises(ConnectionResetError):  # passed on as a reset, not a clean end
+            while data := await asyncio.wait_for(r.read(65536), 5):
+                got += data
+        assert got == b"z" * 3000
+        assert time.monotonic() - t0 >= 0.2  # the answer, then the reset, a delay each way
         w.close()
         await proxy.close()
         server.close()
