@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -27,9 +29,9 @@ from loadtest.capacity import capacity
 from loadtest.capacity import render as capacity_render
 from loadtest.endpoint import ServerEndpoint
 from loadtest.harness import RunOptions, started, sweep_and_report
-from loadtest.point import run_point
+from loadtest.point import ServerHandle, run_point
 from loadtest.prompts import load_prompts
-from loadtest.report import _window, limit_text, write_report
+from loadtest.report import _window, limit_text, render_markdown, write_report
 from loadtest.sessions import (GenerationRecord, LoadRun, LoadSettings, LoadSpec, SessionLog, _Session,
                                committed_between, run_sessions)
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
@@ -498,6 +500,42 @@ def test_a_sweep_that_fails_reports_the_points_that_finished(running, monkeypatc
                               log=lambda _: None)
     assert "none with 2 session(s) failed (RuntimeError: load generator worker 3 exited)" in report["stopped"]
     assert [p["sessions"] for p in report["results"]["none"]] == [1]
+
+
+def test_a_server_that_dies_during_a_point_stops_the_sweep_and_is_no_capacity_limit(tiny, tmp_path,
+                                                                                     monkeypatch) -> None:
+    """Before, a point whose server died partway was taken for the mode's limit: its errors
+    missed the SLO, and a first point's read "fewer than N" as if capacity had been measured."""
+    opts = RunOptions(target=tiny.target_dir, draft=tiny.draft_dir, dtype="fp32", server_log=tmp_path / "server.log",
+                      rerun="python bench/loadtest/run.py")
+    real, calls = sweep_module.run_point, []
+
+    def dying_second(server, *args: object) -> dict:
+        calls.append(args)
+        if len(calls) == 2:  # the server is killed while the point's sessions run
+            threading.Timer(0.7, os.kill, (server.pid, signal.SIGKILL)).start()
+        return real(server, *args)
+    monkeypatch.setattr(sweep_module, "run_point", dying_second)
+    cfg = SweepConfig(modes=("none", "sim"), sessions=(1, 2), slo=0.0)
+    with started(opts, cfg, log=lambda _: None) as r:
+        report = sweep_and_report(r, opts, cfg, LoadSettings(max_new_tokens=4, duration_s=2.0), log=lambda _: None)
+    assert report["stopped"].startswith("the server exited during none with 2 session(s)")
+    points = report["results"]["none"]
+    assert [p["sessions"] for p in points] == [1, 2] and points[1]["server_lost"] == "exited"
+    assert "sim" not in report["results"]
+    assert limit_text(report, "none") == "1 or more (the most tried before the sweep stopped)"
+    assert "| no measure (the server exited) |" in render_markdown(report, "x")
+
+
+def test_a_server_elsewhere_is_lost_when_it_takes_no_connection(server, monkeypatch) -> None:
+    from loadtest import point as point_module
+
+    monkeypatch.setattr(point_module, "LOST_AFTER_S", 0.5)
+    assert ServerHandle(ServerEndpoint(server), None, None).lost() is None
+    assert ServerHandle(ServerEndpoint(f"127.0.0.1:{free_port()}"), None, None).lost() == "took no connection for 0.5 s"
+    first = {"sessions": 4, "meets_slo": False, "generations": 3, "server_lost": "exited"}
+    assert slo_limit([first]) == "unknown"
+    assert limit_text(_report([first], [first]), "none") == "unknown (the server exited during the first point, 4 sessions)"
 
 
 def test_a_generation_failure_is_counted_by_its_status_and_a_load_generator_fault_raised(monkeypatch) -> None:

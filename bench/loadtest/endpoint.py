@@ -49,6 +49,19 @@ class ServerEndpoint:
     def tls(self) -> bool:
         return bool(self.tls_ca or self.tls_cert)
 
+    def reachable(self, timeout_s: float) -> bool:
+        """Whether a connection to the server (TCP, TLS and HTTP/2 set up) is made within
+        `timeout_s`: no call is made, so a busy server still answers."""
+        credentials = _credentials(self.tls_ca, self.tls_cert, self.tls_key)
+        channel = (grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS) if credentials is None
+                   else grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS))
+        with channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            except grpc.FutureTimeoutError:
+                return False
+        return True
+
     def channel(self) -> grpc.aio.Channel:
         """A channel of its own (its own connection, as a separate device would have)."""
         credentials = _credentials(self.tls_ca, self.tls_cert, self.tls_key)

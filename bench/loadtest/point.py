@@ -17,6 +17,7 @@ from loadtest.workers import ClientWorkers
 from specsplit.common.aio import within
 
 SAMPLE_EVERY_S = 0.5
+LOST_AFTER_S = 10.0  # a server elsewhere that takes no connection for this long is taken for gone
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,21 @@ class ServerHandle:
             return scrape(self.metrics_url)
         except UNREADABLE:
             return None
+
+    def lost(self) -> str | None:
+        """How the server is gone, None where it is not: a process this load test started
+        that has exited, or a server elsewhere that takes no connection within LOST_AFTER_S."""
+        if self.pid is not None:
+            import psutil
+
+            try:
+                gone = psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE  # exited, not yet reaped
+            except psutil.NoSuchProcess:
+                gone = True
+            return "exited" if gone else None
+        if self.endpoint.reachable(LOST_AFTER_S):
+            return None
+        return f"took no connection for {LOST_AFTER_S:g} s"
 
 
 @dataclass

@@ -62,7 +62,13 @@ def _row(mode: str, p: dict) -> str:
     return (f"| {p['sessions']} | {_f(s['min'])} | {_f(s['p50'])} | {_f(p['server_tok_s'], 0)} "
             f"| {_ttft(p)} | {_pct(p['itl_ms'], ('p50', 'p99'))} | {_pct(p['verdict_latency_ms'], ('p50', 'p99', 'p99.9'))} "
             f"| {_f(server['batch_sessions_mean'], 2)} | {_f(server['mean_pass_ms'], 2)} | {_lag(server)} | {_f(server['kv_peak_mb'])} "
-            f"| {_f(alpha, 2)} | {client} | {errors} | {'yes' if p['meets_slo'] else 'no'}{_runs(p)} |")
+            f"| {_f(alpha, 2)} | {client} | {errors} | {_slo(p)}{_runs(p)} |")
+
+
+def _slo(p: dict) -> str:
+    if "server_lost" in p:
+        return f"no measure (the server {p['server_lost']})"
+    return "yes" if p["meets_slo"] else "no"
 
 
 def _process_spread(points: list[dict]) -> list[str]:
@@ -249,7 +255,10 @@ def limit_text(report: dict, mode: str) -> str:
     points = report["results"][mode]
     limit = slo_limit(points)
     if limit == "unknown":
-        return f"unknown (nothing was served at {points[0]['sessions']} sessions, the first point)"
+        first = points[0]
+        if "server_lost" in first:
+            return f"unknown (the server {first['server_lost']} during the first point, {first['sessions']} sessions)"
+        return f"unknown (nothing was served at {first['sessions']} sessions, the first point)"
     if limit == "below":
         return f"fewer than {points[0]['sessions']} (the fewest tried missed it)"
     count = sessions_at_slo(points)

@@ -115,13 +115,18 @@ def sessions_at_slo(points: list[dict]) -> int:
     return max((p["sessions"] for p in points if p["meets_slo"]), default=0)
 
 
+def _no_measure(point: dict) -> bool:
+    return point["generations"] == 0 or "server_lost" in point
+
+
 def slo_limit(points: list[dict]) -> str:
     """Where a mode's limit lies against the points swept (a mode stops at its first miss):
     "found" (a point missed the SLO, and the one before met it), "below" (its first point
     missed: the limit is under the fewest sessions tried, not 0), "beyond" (its last point
     met it: the limit is that many sessions or more), "unknown" (its first point served
-    nothing: the server was gone). A last point that served nothing says nothing of the limit."""
-    judged = points[:-1] if points and points[-1]["generations"] == 0 else points
+    nothing, or the server was lost during it). A last point that served nothing, or that
+    the server did not live through, says nothing of the limit."""
+    judged = points[:-1] if points and _no_measure(points[-1]) else points
     if not judged:
         return "unknown"
     if judged[-1]["meets_slo"]:
@@ -164,8 +169,15 @@ def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: Clien
                 points = results.setdefault(mode, [])
                 points.append(point)
                 log(_line(mode, point))
+                errors = ", ".join(f"{k} {v}" for k, v in point["errors"]["by_code"].items()) or "none"
+                # A point the server did not live through says nothing of its capacity, and
+                # every later one would only count errors.
+                lost = None if point["meets_slo"] else server.lost()
+                if lost is not None:
+                    point["server_lost"] = lost
+                    return results, (f"the server {lost} during {mode} with {n} session(s) (errors: {errors}), so "
+                                     "the sweep stopped there; that point is no measure of capacity")
                 if point["generations"] == 0:
-                    errors = ", ".join(f"{k} {v}" for k, v in point["errors"]["by_code"].items()) or "none"
                     return results, (f"{mode} with {n} session(s) finished no generation (errors: {errors}): the "
                                      "server served nothing, so the sweep stopped there")
                 if not point["meets_slo"]:  # more sessions only get slower: save the time
