@@ -37,6 +37,18 @@ def at_least(low: float, kind: type = int, above: bool = False) -> Callable[[str
     return parse
 
 
+def between(low: int, high: int) -> Callable[[str], int]:
+    """An integer from `low` to `high`."""
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {text}")
+        return value
+
+    return parse
+
+
 def fraction(text: str) -> float:
     """A probability: a number from 0 to 1."""
     value = _number(text, float)

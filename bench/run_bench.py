@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from cli_types import at_least, out_dir, report_name
+from cli_types import at_least, between, out_dir, report_name
 from netem_proxy import LinkConfig, NetemProxy
 from orchestrate import machine, pin, run_edge, running_server, server_and_edge_cores
 from prompt_set import benchmark_prompts
@@ -30,6 +30,7 @@ from serve_args import serve_args_problem
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
+from specsplit.protocol.messages import MAX_CHUNK
 from specsplit.server import models
 from specsplit.server.loading import resolve_dtype
 
@@ -97,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=at_least(0), default=0,
                    help=f"use the first N of the {len(all_prompts)} prompts (default 0: all)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=128, help="per generation")
-    p.add_argument("--sync-k", type=at_least(1), nargs="+", default=[2, 4, 6, 8], help="drafts per round of sync")
+    # An edge drafts at most MAX_CHUNK a round: a larger k would run, and be labelled, as what it is not.
+    p.add_argument("--sync-k", type=between(1, MAX_CHUNK), nargs="+", default=[2, 4, 6, 8],
+                   help=f"drafts per round of sync (1 to {MAX_CHUNK})")
     p.add_argument("--window", type=_window, default="auto",
                    help="async lookahead: auto (default, the edge's default: sized from the acceptance seen, at most "
                    "32), or a fixed number of drafts (the edge's --no-adaptive-window)")

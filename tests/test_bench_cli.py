@@ -111,7 +111,8 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     (["--name", "x", "--prompts", "99"], "there are 12 prompts"),
     (["--name", "x", "--prompts", "-1"], "at least 0"),  # ran 11 prompts
     (["--name", "x", "--rtt-ms", "-50"], "at least 0"),  # ran without delay, recorded -50
-    (["--name", "x", "--sync-k", "0"], "at least 1"),  # found after the draft and HF runs
+    (["--name", "x", "--sync-k", "0"], "from 1 to 64"),  # found after the draft and HF runs
+    (["--name", "x", "--sync-k", "100"], "from 1 to 64"),  # drafted as 64, labelled sync-100
     (["--name", "x", "--window", "0"], "a positive number or auto"),
     # Found only when the server started, after the anchors had run for minutes.
     (["--name", "x", "--server-args=--bogus-flag"], "--server-args: unrecognized arguments: --bogus-flag"),
