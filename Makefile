@@ -32,9 +32,11 @@ test: $(STAMP)
 
 # The tests against the oldest transformers, onnx, onnxscript, ONNX Runtime and numpy the
 # pyproject.toml files admit (constraints-oldest.txt), in a venv of their own: about 10 minutes.
+# Python 3.11: numpy 1.24 has no build for a later one, and the server needs 3.11.
 OLDEST_VENV ?= .venv-oldest
+OLDEST_PYTHON ?= python3.11
 test-oldest:
-	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/python -m pip install $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(OLDEST_VENV)/bin/python -m pip install -c constraints-oldest.txt -e 'shared[test]' -e edge -e server
 	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests

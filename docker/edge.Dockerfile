@@ -1,6 +1,6 @@
 # The specsplit edge: a slim image with ONNX Runtime and gRPC only, no torch and no
 # transformers. Builds for linux/amd64 and linux/arm64 (Raspberry Pi, Jetson):
-#   docker buildx build --platform linux/arm64 -f docker/edge.Dockerfile .
+#   docker buildx build --platform linux/arm64 -t specsplit-edge --load -f docker/edge.Dockerfile .
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1
 WORKDIR /src

@@ -3,6 +3,8 @@ shared by generations running at once, a kept stream that carries one generation
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -360,3 +362,26 @@ def test_a_token_the_draft_cannot_read_leaves_the_rest_to_the_server(tiny, serve
     assert result.tokens == want and result.stats.reconnects == 0
     assert f"the target committed token id {want[past]}, past the draft's 300 ids" in caplog.text
     assert after.tokens == reference(str(tiny.target_dir), after_ids, 40) and after.stats.reconnects == 0
+
+
+ORT_BUILT_FOR_NUMPY_1 = """
+import sys
+from importlib import metadata
+real = metadata.version
+metadata.version = lambda dist: "1.18.1" if dist == "onnxruntime" else real(dist)
+sys.modules["onnxruntime"] = None  # its import fails, as a build for numpy 1 fails under numpy 2
+import specsplit.edge.cli
+"""
+
+
+def test_an_onnx_runtime_built_for_numpy_1_is_named_with_its_fix() -> None:
+    """The edge admits ONNX Runtime 1.17 and 1.18, which fail to import under numpy 2 with
+    numpy's own message; the edge says which versions clash and what to install."""
+    run = subprocess.run([sys.executable, "-c", ORT_BUILT_FOR_NUMPY_1], capture_output=True, text=True)
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode != 0
+    if np.__version__.startswith("1."):
+        assert "ONNX Runtime 1.18.1" not in last  # numpy 1: not the clash, the error as it was
+    else:
+        assert last.startswith(f"ImportError: ONNX Runtime 1.18.1 cannot run with numpy {np.__version__}")
+        assert "install 'numpy<2', or ONNX Runtime 1.19 or newer" in last

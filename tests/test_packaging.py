@@ -8,6 +8,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN_ON_EDGE = ("torch", "transformers", "triton", "nvidia-")
@@ -55,3 +56,35 @@ def test_stubs_import_as_a_normal_package() -> None:
 
     assert specsplit_pb2.EdgeMessage(open=specsplit_pb2.Open(prompt_ids=[1])).WhichOneof("kind") == "open"
     assert hasattr(specsplit_pb2_grpc, "SpecSplitStub")
+
+
+def _floors(pyproject: Path) -> dict[str, Version]:
+    """Each dependency's lowest version admitted, where it has one (a >= bound)."""
+    import tomllib
+
+    floors = {}
+    for line in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        req = Requirement(line)
+        for spec in req.specifier:
+            if spec.operator == ">=":
+                floors[canonicalize_name(req.name)] = Version(spec.version)
+    return floors
+
+
+def test_the_oldest_constraints_are_the_floors_the_packages_admit() -> None:
+    """make test-oldest tests "the oldest the pyproject.toml files admit": each pin in
+    constraints-oldest.txt must be the floor there, the highest of the three packages' where
+    they differ, as they share one venv (before, onnx 1.16.2 was pinned where onnx>=1.16
+    admitted 1.16.0, and numpy 1.24.4 where all three admitted 1.24.0)."""
+    floors: dict[str, Version] = {}
+    for package in ("shared", "edge", "server"):
+        for name, version in _floors(ROOT / package / "pyproject.toml").items():
+            floors[name] = max(version, floors.get(name, version))
+    pins = [Requirement(line) for line in (ROOT / "constraints-oldest.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert pins
+    for pin in pins:
+        (spec,) = pin.specifier
+        name = canonicalize_name(pin.name)
+        assert spec.operator == "==" and floors.get(name) == Version(spec.version), \
+            f"constraints-oldest.txt pins {pin}, the pyproject.toml files admit from {floors.get(name)}"

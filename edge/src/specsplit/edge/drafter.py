@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
-import onnxruntime as ort
 
 from specsplit.common.export_meta import INPUTS, META_FILE, MODEL_FILE, DraftExportMeta, past_names
 from specsplit.common.prefix import common_prefix
+from specsplit.edge.runtime import ort
 
 
 class Drafter(Protocol):
