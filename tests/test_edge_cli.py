@@ -26,6 +26,8 @@ from specsplit.edge.tokenizer import EdgeTokenizer
     (["--max-new-tokens", "0"], "--max-new-tokens must be a whole number of at least 1"),
     (["--seed", "-5"], "--seed must fit in 64 unsigned bits"),
     (["--stall-timeout", "0"], "--stall-timeout must be above 0"),
+    (["--connect-timeout", "0"], "--connect-timeout must be from 0.1 to 3600 s"),
+    (["--connect-timeout", "nan"], "--connect-timeout must be from 0.1 to 3600 s"),
     (["--temperature", "0.8", "--verification", "greedy"], "--verification greedy is for temperature 0"),
     (["--verification", "sparse-q"], "give a temperature above 0"),  # it would run greedy without a word
     (["--temperature", "-1"], "--temperature must be in [0, 100]"),

@@ -332,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the default target takes about a minute)")
     g.add_argument("--stall-timeout", type=float, default=ConnectOptions.stall_timeout_s,
                    help="seconds without a message from the server before the stream counts as lost")
+    g.add_argument("--connect-timeout", type=float, default=ConnectOptions.connect_timeout_s,
+                   help="seconds a connection to the server (TCP, TLS, HTTP/2) may take before the attempt fails "
+                   "and is retried; an address that takes TCP but never answers costs this much an attempt")
     g.add_argument("--json", action="store_true", help="print only one JSON object: stats, text and token ids")
     g.add_argument("--stats-json", metavar="FILE", help="also write stats, text, token ids and commit times to FILE")
     g.add_argument("--timeline", action="store_true", help="record a drafting/sending/verdict timeline in --stats-json")
@@ -356,7 +359,8 @@ def server_list(servers: str) -> list[str]:
 
 
 # Where ConfigError's fields come from on this command line; others are --FIELD-NAME.
-FLAGS = {"stop_ids": "--stop-id", "stall_timeout_s": "--stall-timeout", "token": "$SPECSPLIT_TOKEN"}
+FLAGS = {"stop_ids": "--stop-id", "stall_timeout_s": "--stall-timeout", "connect_timeout_s": "--connect-timeout",
+         "token": "$SPECSPLIT_TOKEN"}
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -386,6 +390,7 @@ def check_args(args: argparse.Namespace) -> None:
             credentials=client_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.tls),
             tls_server_name=args.tls_server_name,
             token=os.environ.get("SPECSPLIT_TOKEN") or None, stall_timeout_s=args.stall_timeout, retries=args.retries,
+            connect_timeout_s=args.connect_timeout,
         )
         args.connect.check_servers(len(args.servers))
     except ConfigError as exc:

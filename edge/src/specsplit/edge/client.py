@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 
 
 def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:
-    options: list[tuple[str, int | str]] = [("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)]
+    options: list[tuple[str, int | str]] = [
+        ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
+        # gRPC's minimum connect timeout (its MIN_CONNECT_TIMEOUT) goes by this name.
+        ("grpc.min_reconnect_backoff_ms", round(connect.connect_timeout_s * 1000)),
+    ]
     if connect.tls_server_name:
         options.append(("grpc.ssl_target_name_override", connect.tls_server_name))
     if connect.credentials is not None:

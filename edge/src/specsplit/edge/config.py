@@ -31,6 +31,9 @@ class ConfigError(ValueError):
 _AT_LEAST = {"window": 1, "k": 1, "branch_tokens": 0, "max_new_tokens": 1, "sparse_top_k": 1}
 
 
+MAX_CONNECT_TIMEOUT_S = 3600.0  # gRPC takes it in whole milliseconds, as a C int
+
+
 @dataclass(frozen=True)
 class ConnectOptions:
     credentials: grpc.ChannelCredentials | None = None  # TLS (and mutual TLS) when set
@@ -38,6 +41,10 @@ class ConnectOptions:
     tls_server_name: str | None = None
     token: str | None = None  # bearer token sent as `authorization` metadata
     stall_timeout_s: float | None = 60.0  # no message for this long: the stream is treated as dead
+    # A connection (TCP, TLS, HTTP/2 settings) not made in this long fails the attempt, which is
+    # then retried. gRPC's own is 20 s: an address that takes TCP but never answers (a port of
+    # something else, a black-holed path) cost 20 s an attempt, over 5 minutes at 12 retries.
+    connect_timeout_s: float = 10.0
     # Re-opens in a row after a lost server or stream, cycling through the addresses given; an
     # attempt that committed tokens starts the count (and the backoff) over. Twelve wait 71.5 s
     # at the least: a restarted server's time to load the default target, with room to spare.
@@ -54,6 +61,9 @@ class ConnectOptions:
         if self.stall_timeout_s is not None and (not _real(self.stall_timeout_s)
                                                  or not 0 < self.stall_timeout_s < math.inf):
             raise ConfigError("stall_timeout_s", f"must be above 0, got {self.stall_timeout_s!r}")
+        if not _real(self.connect_timeout_s) or not 0.1 <= self.connect_timeout_s <= MAX_CONNECT_TIMEOUT_S:
+            raise ConfigError("connect_timeout_s", f"must be from 0.1 to {MAX_CONNECT_TIMEOUT_S:g} s, "
+                              f"got {self.connect_timeout_s!r}")
         if not _real(self.backoff_s) or not 0 <= self.backoff_s < math.inf:
             raise ConfigError("backoff_s", f"must be 0 or more, got {self.backoff_s!r}")
 
