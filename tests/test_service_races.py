@@ -256,3 +256,29 @@ def test_a_fault_of_the_server_reading_the_stream_fails_the_call() -> None:
     aborted = asyncio.run(main())
     assert aborted.code.name == "INTERNAL"
     assert "a bug in the engine" in aborted.details
+
+
+def test_a_finished_resume_is_answered_by_a_full_or_draining_server() -> None:
+    """A generation whose Done was lost re-opens with committed ids that end it (here in EOS):
+    it needs no cache, no pass and no place. A full server refused it (RESOURCE_EXHAUSTED), a
+    draining one sent it elsewhere, and an edge of a server that stayed full spent its retries
+    on a generation that had every token."""
+    resumed = pb.EdgeMessage(open=pb.Open(prompt_ids=[1, 2], max_new_tokens=8, committed_ids=[5, 0]))
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield resumed.SerializeToString()
+        await asyncio.sleep(60)
+
+    async def answers(draining: bool) -> list[str]:
+        worker = Worker()
+        worker.sessions["another"] = object()  # the server holds its limit: one session
+        svc = service.SpecSplitService(worker, ServerLimits(vocab_size=100, max_context=100, eos_ids=(0,)),  # type: ignore[arg-type]
+                                       ServeConfig(max_sessions=1), ServerMetrics())
+        svc.draining = draining
+        stream = svc.Generate(requests(), _AbortingContext())
+        got = [(await asyncio.wait_for(stream.__anext__(), 10)).WhichOneof("kind") for _ in range(2)]
+        await stream.aclose()
+        return got
+
+    assert asyncio.run(answers(draining=False)) == ["opened", "done"]
+    assert asyncio.run(answers(draining=True)) == ["opened", "done"]

@@ -91,7 +91,10 @@ class SpecSplitService:
                 # An Open is validated here, before admission: a malformed one is refused as
                 # such, full server or not, not with a status the edge would retry.
                 out = conn.receive(event)
-                if opening:
+                # A resumed generation that is already over (its Done was lost) is answered
+                # here and now: it takes no cache and no place, so a full or draining server
+                # need not send it away to retry for nothing.
+                if opening and not conn.idle:
                     if self.draining:
                         self.metrics.sessions_refused.labels("draining").inc()
                         raise errors.ServerDraining("server is shutting down; open the session on another server")
