@@ -419,6 +419,44 @@ def _cached(worker: VerificationWorker) -> None:
         h.kv.tokens = [1, 2, 3, 4]
 
 
+class _PlainShapes:
+    """Pads as the dynamic engine does (to the batch's widest feed); no model."""
+
+    split_width = 0
+    verifies_branches = True
+
+    def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
+        return sessions, longest
+
+    def pass_shape(self, items: list[VerifyItem]) -> tuple[int, int]:
+        return len(items), max(it.feed_length for it in items)
+
+
+def test_a_feed_cut_for_its_branch_verifies_no_more_drafts_than_planned() -> None:
+    """A session planned with 4 drafts (--max-verify-tokens) and a 4-token branch is 9 wide;
+    cut to a width of 7 it was re-planned from the room left, took 6 drafts, past the limit
+    and its share, and lost the branch. Narrowed, it keeps at most its 4 drafts."""
+    async def main() -> None:
+        cfg = SchedulerConfig(max_verify_tokens=4, idle_policy="ar", max_batch_tokens=4096)
+        worker = VerificationWorker(engine=_PlainShapes(), config=cfg)  # type: ignore[arg-type]
+        _add_fresh(worker, "fresh", tuple(range(1, 8)))  # a 7-token prompt sets the width at 7
+        prompt = (1, 2, 3, 4)
+        branching = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=64), ServerLimits(1000, 4096), "b")
+        branching.receive_draft(DraftChunk(4, tuple(range(10, 20)), HashedSequence(prompt).hash_before(4)))
+        branching.receive_draft(DraftChunk(4, (500, 501, 502, 503, 504), HashedSequence(prompt).hash_before(4),
+                                           branch=True))
+        handle = SessionHandle(branching, asyncio.Queue(maxsize=8))
+        handle.kv.tokens = list(prompt)
+        worker.add(handle)
+        worker.pass_costs.observe(8, 0.01)
+        worker.pass_costs.observe(64, 0.05)
+        batch, _ = worker._pick()
+        task = next(sh.task for sh in batch if sh.handle is handle)
+        assert len(task.drafts) <= cfg.max_verify_tokens
+
+    asyncio.run(main())
+
+
 class _SplittingShapes(_BucketShapes):
     """Pads and splits feeds as the static engine does; no model."""
 

@@ -413,8 +413,8 @@ class VerificationWorker:
         for sh, (floor, drafts, _) in zip(batch, rows):
             pieces = -(-floor // width) if split_width else 1
             room = pieces * width
-            if sh.item.feed_length > room:
-                sh = self._narrow(sh, sh.handle.session.next_task(room - floor))
+            if sh.item.feed_length > room:  # never more drafts than it was planned with (a branch made it wide)
+                sh = self._narrow(sh, sh.handle.session.next_task(min(room - floor, drafts)))
             while sh.task.branches and sh.item.feed_length > room:  # the drafts fit, the branches beside them do not
                 sh = self._narrow(sh, dataclasses.replace(sh.task, branches=sh.task.branches[:-1]))
             sh.item.pieces = pieces
