@@ -5,8 +5,12 @@ other `delay` seconds later, and no faster than `rate` allows (a chunk occupies 
 link for len * 8 / rate seconds, in order). Each direction is one link, shared by every
 connection through the proxy, as one network path is. A side that half-closes has all it
 sent delivered before the other side sees the end; one that resets, all it sent before the
-reset (what was on its way to it is dropped, as a reset host drops it). The proxy can also be paused, to stall
-the network without closing connections, or cut, to close them all.
+reset (what was on its way to it is dropped, as a reset host drops it). A new connection
+pays its TCP handshake: the client's first bytes leave one RTT after it connected, and the
+server's first bytes (an HTTP/2 server's settings, which a gRPC client waits for) reach the
+client two RTTs after, as over a real path (a gRPC call's first message reaches the server
+2.5 RTTs after the connect there, not 1). The proxy can also be paused, to stall the network
+without closing connections, or cut, to close them all.
 """
 from __future__ import annotations
 
@@ -74,14 +78,20 @@ class NetemProxy:
         except OSError:
             client_w.close()
             return
+        # The handshake (SYN, SYN-ACK, ACK) took place here at once; on the emulated path
+        # the client may send from one RTT on, and the server from 1.5 RTTs (on the ACK).
+        connected = time.monotonic()
+        sends_from = {"up": connected + 2 * self.link.delay_s, "down": connected + 3 * self.link.delay_s}
         pumps: dict[str, asyncio.Task] = {}
 
         def gone(toward: str) -> None:
             # A side that reset takes nothing more: what is on its way to it is dropped. What
             # it sent before still reaches the other side on schedule, and the reset after it.
             pumps[toward].cancel()
-        pumps["up"] = asyncio.create_task(self._pump(client_r, target_w, "up", lambda: gone("down")))
-        pumps["down"] = asyncio.create_task(self._pump(target_r, client_w, "down", lambda: gone("up")))
+        pumps["up"] = asyncio.create_task(self._pump(client_r, target_w, "up", sends_from["up"],
+                                                  lambda: gone("down")))
+        pumps["down"] = asyncio.create_task(self._pump(target_r, client_w, "down", sends_from["down"],
+                                                    lambda: gone("up")))
         tasks = set(pumps.values())
         self._tasks |= tasks
         # Each direction runs to its own end: a half-close ends one, not the other, and a
@@ -91,11 +101,12 @@ class NetemProxy:
             w.close()
         self._tasks -= tasks
 
-    def _arrival(self, direction: str, size: int) -> float:
+    def _arrival(self, direction: str, size: int, sends_from: float = 0.0) -> float:
         """When a chunk read now reaches the other side: after the chunks already on its
         direction's link (all connections') have gone out, its own transmission, and the
-        delay. Booked as it is read, so the link serves chunks in the order they came."""
-        now = time.monotonic()
+        delay; not sent before `sends_from` (its connection's handshake). Booked as it is
+        read, so the link serves chunks in the order they came."""
+        now = max(time.monotonic(), sends_from)
         if self.link.rate_bps <= 0:
             return now + self.link.delay_s
         sent = max(now, self._link_free[direction]) + size * 8 / self.link.rate_bps
@@ -112,7 +123,7 @@ class NetemProxy:
         return [data[i : i + SEGMENT_BYTES] for i in range(0, len(data), SEGMENT_BYTES)]
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str,
-                    on_reset: Callable[[], None]) -> None:
+                    sends_from: float, on_reset: Callable[[], None]) -> None:
         """Carry one direction: what is read goes out at its arrival time. The end of the
         reader's side goes after what it sent, as an end (a half-close) or a reset, which
         also calls `on_reset`. A failed write ends the direction at once."""
@@ -152,13 +163,13 @@ class NetemProxy:
                     data = read.result()
                 except ConnectionError:  # the reader's side reset
                     on_reset()
-                    queue.put_nowait((self._arrival(direction, 0), RESET))
+                    queue.put_nowait((self._arrival(direction, 0, sends_from), RESET))
                     break
                 if not data:
                     queue.put_nowait((time.monotonic(), None))
                     break
                 for segment in self._segments(data):
-                    queue.put_nowait((self._arrival(direction, len(segment)), segment))
+                    queue.put_nowait((self._arrival(direction, len(segment), sends_from), segment))
             await sender
         finally:
             sender.cancel()

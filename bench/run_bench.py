@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         "models": {"target": str(pair.target_dir.name), "target_dtype": resolve_dtype("auto", "cpu"),
                    "draft": str(pair.draft_dir.name), "draft_quantization": DraftExportMeta.load(pair.draft_dir).weights},
         "network": {"rtt_ms": args.rtt_ms, "rate_mbit": args.rate_mbit or None,
-                    "how": "user-space TCP proxy adding rtt/2 one-way delay in each direction"},
+                    "how": "user-space TCP proxy adding rtt/2 one-way delay in each direction and "
+                            "a TCP handshake to each new connection (its first bytes a round trip later)"},
         "settings": {"max_new_tokens": args.max_new_tokens, "window": int(args.window) if args.window.isdigit() else args.window, "sync_k": args.sync_k,
                      "temperature": 0, "server_args": shlex.join(args.server_args), "prompts": [pr["id"] for pr in prompts],
                      "hf_assisted": not args.no_hf,

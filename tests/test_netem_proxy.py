@@ -52,6 +52,27 @@ def test_round_trip_is_delayed_and_intact() -> None:
     asyncio.run(main())
 
 
+def test_a_new_connection_pays_its_handshake() -> None:
+    """Over a real path the client sends from one RTT after it connects, and a server's first
+    bytes reach it two RTTs after: a first exchange takes 2 RTTs, the next ones 1. The proxy
+    connected at once, so each benchmark run's first call (a new edge process) was about
+    1.5 RTTs early."""
+    async def main() -> None:
+        server, port = await echo_server()
+        proxy = NetemProxy("127.0.0.1", port, LinkConfig(delay_s=0.05))  # RTT 100 ms
+        listen = await proxy.start()
+        t0 = time.monotonic()
+        r, w = await asyncio.open_connection("127.0.0.1", listen)
+        w.write(b"ping")
+        assert await r.readexactly(4) == b"ping"
+        assert time.monotonic() - t0 >= 0.2  # 2 RTTs
+        w.close()
+        await proxy.close()
+        server.close()
+
+    asyncio.run(main())
+
+
 def test_bandwidth_cap_spaces_out_bytes() -> None:
     async def main() -> None:
         server, port = await echo_server()
