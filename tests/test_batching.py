@@ -31,7 +31,8 @@ from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, Serv
 from specsplit.protocol.server_session import ServerSession
 from specsplit.common.prefix import common_prefix
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
-from specsplit.server.loading import cpu_has_fast_bf16, load_model, resolve_dtype
+from specsplit.server import loading
+from specsplit.server.loading import load_model, native_bf16, resolve_dtype
 from specsplit.server.pace import PaceLog
 from specsplit.server.config import SchedulerConfig
 from specsplit.server.scheduler import PassFill, SessionHandle, VerificationWorker
@@ -185,12 +186,18 @@ def test_branches_in_a_batch_get_the_rows_of_their_tokens_fed_in_line(tiny) -> N
     assert worst < 1e-3, worst  # bitwise in bf16 on CPU; fp32 rounds by the pass's shape
 
 
-def test_auto_dtype_is_bf16_only_where_it_is_fast() -> None:
+def test_auto_dtype_is_bf16_only_where_it_is_fast(monkeypatch) -> None:
     """bf16 on a CPU without native bf16 would make multi-token passes dearer, not cheaper;
     where the CPU has it, tests/test_row_invariant.py shows it stays exact."""
-    assert resolve_dtype("auto", "cpu") == ("bf16" if cpu_has_fast_bf16() else "fp32")
-    assert resolve_dtype("auto", "cuda") == "bf16"
-    assert resolve_dtype("fp32", "cpu") == "fp32"
+    for fast, auto in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(loading, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert resolve_dtype("auto", "cpu") == auto
+        assert resolve_dtype("auto", "cuda") == "bf16"
+        assert resolve_dtype("fp32", "cpu") == "fp32"
+    assert native_bf16("flags\t\t: fpu avx512f avx512_bf16 avx512_vnni\n")
+    assert native_bf16("processor\t: 0\nflags\t\t: fpu amx_bf16 amx_tile\n")
+    assert not native_bf16("flags\t\t: fpu avx512f avx512bw\nbugs\t\t: avx512_bf16\n")  # not a flag line
+    assert not native_bf16("")
 
 
 def test_warm_up_leaves_no_session_behind(tiny) -> None:

@@ -160,9 +160,11 @@ def test_sampled_output_follows_target_distribution(tiny, server, mode) -> None:
 def test_fingerprint_mismatch_is_failed_precondition(tiny, server) -> None:
     tok = EdgeTokenizer(tiny.draft_dir)
     with pytest.raises(grpc.aio.AioRpcError) as exc:
-        run(server, tok.encode("hi"), EdgeConfig(max_new_tokens=4), tiny.draft_dir, fingerprint="0123456789abcdef")
+        run(server, tok.encode("hi"), EdgeConfig(max_new_tokens=4), tiny.draft_dir, fingerprint="0123456789abcdef",
+            draft_model="tiny-draft")
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert str(tiny.draft_dir) in exc.value.details() or "draft" in exc.value.details()
+    # Both sides are named, with the fingerprint each holds.
+    assert "draft model tiny-draft (fingerprint 0123456789abcdef) differs" in exc.value.details()
     # The target is named, but not by where the server keeps it: every edge reads this.
     assert f"model {tiny.target_dir.name} (fingerprint" in exc.value.details()
     assert str(tiny.target_dir) not in exc.value.details()

@@ -207,15 +207,18 @@ def test_termination(kw, reason, length) -> None:
     assert isinstance(events[-1], Done) and events[-1].reason == reason
 
 
-def test_eos_and_context_end_the_session() -> None:
+@pytest.mark.parametrize(("prompt", "reason", "length"), [
+    ((1, 1, 2), DoneReason.EOS, 2),  # the fake target's path from here is 8, EOS
+    (PROMPT, DoneReason.CONTEXT, 3),  # 7, 10, 8: no EOS before the context (6) is full
+])
+def test_eos_and_context_end_the_session(prompt, reason, length) -> None:
     limits = ServerLimits(vocab_size=VOCAB, max_context=6, max_lookahead=8, eos_ids=(EOS,))
-    s = ServerSession(OpenRequest(prompt_ids=PROMPT, max_new_tokens=20), limits)
+    s = ServerSession(OpenRequest(prompt_ids=prompt, max_new_tokens=20), limits)
     while s.done is None:
         run_task(s, 8)
-    path = greedy_path(list(PROMPT), 3)
-    want = path[: path.index(EOS) + 1] if EOS in path else path
-    assert s.generated == want
-    assert s.done.reason == (DoneReason.EOS if EOS in path else DoneReason.CONTEXT)
+    assert s.generated == greedy_path(list(prompt), 3)[:length]
+    assert s.done.reason == reason
+    assert (EOS in s.generated) == (reason == DoneReason.EOS)
 
 
 # -- one test per protocol violation ----------------------------------------------

@@ -78,7 +78,10 @@ def test_an_outbox_that_fills_during_a_pass_ends_its_session_not_the_server() ->
         outbox.put_nowait("more")  # the stream's reader queues while the edge reads nothing
         outbox.put_nowait("and more")
         engine.go.set()
-        await asyncio.sleep(0.2)
+        for _ in range(200):  # until the pass's verdicts are delivered (at most 10 s: a hang guard)
+            if (handle.stalled and stream.done()) or running.done():
+                break
+            await asyncio.sleep(0.05)
         assert not running.done(), running.exception()  # the worker serves on
         # The servicer, whose task is cancelled, finds the handle stalled: it counts and logs
         # the end so, and removes it.

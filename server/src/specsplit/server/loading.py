@@ -22,10 +22,15 @@ def cpu_has_fast_bf16() -> bool:
     they fall back to a kernel whose cost grows linearly with the number of tokens, which
     defeats verifying many drafts in one pass. (Read once: the flags do not change.)"""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return native_bf16(Path("/proc/cpuinfo").read_text())
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def native_bf16(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's text lists a native bf16 flag (AVX512-BF16, or AMX's)."""
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.partition(":")[2].split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
