@@ -24,11 +24,13 @@ CONFIGS = [EdgeConfig(mode="async", max_new_tokens=24), EdgeConfig(mode="none", 
 
 
 def test_generations_share_a_stream_until_it_idles_out(tiny, tmp_path) -> None:
+    """(The idle timeout must outlast the gap between one generation's Done and the next
+    Open on a loaded machine: at 0.5 s, a slow gap would have ended the stream mid-test.)"""
     tokenizer = EdgeTokenizer(tiny.draft_dir)
     drafter = OnnxDrafter(tiny.draft_dir)
     mport = free_port()
     with launch_server(tiny.target_dir, tmp_path / "s.log", "--metrics-port", str(mport),
-                       "--idle-stream-timeout", "0.5") as (address, _):
+                       "--idle-stream-timeout", "1.5") as (address, _):
         metrics = f"127.0.0.1:{mport}"
 
         async def main() -> list:
@@ -38,7 +40,7 @@ def test_generations_share_a_stream_until_it_idles_out(tiny, tmp_path) -> None:
                 for prompt, cfg in zip(PROMPTS, CONFIGS):
                     results.append(await generate(stream, tokenizer.encode(prompt), cfg, drafter=drafter,
                                                   fingerprint=tokenizer.fingerprint))
-                await asyncio.sleep(2.0)  # past the idle timeout: the server ends the call
+                await asyncio.sleep(3.5)  # past the idle timeout: the server ends the call
                 results.append(await generate(stream, tokenizer.encode(PROMPTS[0]), CONFIGS[0], drafter=drafter,
                                               fingerprint=tokenizer.fingerprint))
                 stream.close()
