@@ -39,6 +39,7 @@ from specsplit.edge.tokenizer import EdgeTokenizer
     (["--timeline"], "--timeline is written to --stats-json"),
     (["--tls-server-name", "server.example"], "--tls-server-name is for TLS: give --tls or --tls-ca too"),
     (["--tls-ca", "/no/such/ca.pem"], "--tls-ca /no/such/ca.pem: no such file"),
+    (["--tls-ca", ""], "--tls-ca is empty (an unset variable?)"),  # it talked plaintext without a word
     (["--tls-ca", __file__], f"--tls-ca {__file__} holds no PEM certificate"),  # gRPC would fail every handshake
     (["--tls-cert", __file__, "--tls-key", __file__], "are not a PEM certificate and its own unencrypted key"),
 ])

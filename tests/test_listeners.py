@@ -82,6 +82,16 @@ def test_a_port_out_of_range_is_refused(port: int) -> None:
         check_port_free("127.0.0.1", port)
 
 
+def test_any_free_port_still_has_its_host_checked() -> None:
+    """With --port 0 the host went unchecked: a mistyped one failed only once the model had
+    loaded (minutes on a GPU)."""
+    check_port_free("127.0.0.1", 0)
+    with pytest.raises(OSError, match="cannot bind no-such-host.invalid:0"):
+        check_port_free("no-such-host.invalid", 0)
+    with pytest.raises(OSError, match="no address of 192.0.2.1 is on this machine"):  # (a documentation address)
+        check_port_free("192.0.2.1", 0)
+
+
 def test_ipv6_hosts_are_probed_as_grpc_writes_them() -> None:
     """gRPC takes IPv6 addresses in brackets ([::1]:PORT); the probe must too."""
     with pytest.raises(OSError, match=r"cannot bind \[1::2\]:5: no address of 1::2 is on this machine"):

@@ -339,6 +339,20 @@ def test_fingerprint_mismatch_names_both_models() -> None:
     assert "small" in exc.value.message and "big" in exc.value.message
 
 
+def test_a_clients_text_in_a_refusal_can_neither_forge_log_lines_nor_swell_them() -> None:
+    """The draft's name and fingerprint are the client's own text: pasted in as sent, a line
+    end forged a log line of the server's, and a name of 500 kB made a line and a status of
+    500 kB."""
+    limits = ServerLimits(vocab_size=VOCAB, max_context=40, target_model="big", tokenizer_fingerprint="aaa")
+    forged = "d\n2026-12-03 09:30:00,000 INFO specsplit.server.service: session x: opened" + "x" * 500_000
+    with pytest.raises(errors.FingerprintMismatch) as exc:
+        ServerSession(OpenRequest(prompt_ids=PROMPT, max_new_tokens=4, draft_model=forged,
+                                  tokenizer_fingerprint="\r" * 100_000), limits)
+    message = exc.value.message
+    assert "\n" not in message and "\r" not in message and len(message) < 500
+    assert "draft model d\\n2026-12-03" in message  # escaped, still readable
+
+
 def test_sparse_q_needs_valid_distributions() -> None:
     s = open_session(sampling=SamplingParams(temperature=1.0), verification=VerificationMode.SPARSE_Q)
     parent = HashedSequence(PROMPT).hash_before(3)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 import urllib.request
 
 import grpc
@@ -619,6 +620,8 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--tls-cert", "/no/cert"], "--tls-cert and --tls-key go together"),
         (["--target", "/no/such/model", "--tokens-file", "/no/tokens"], "--tokens-file /no/tokens: no such file"),
         (["--target", "/no/such/model", "--tokens-file", "/"], "--tokens-file / is a directory"),
+        # An unset variable: read as "." ("is a directory"), or with both TLS files empty, as plaintext.
+        (["--target", "/no/such/model", "--tls-cert", "", "--tls-key", ""], "--tls-cert is empty (an unset variable?)"),
         # NaN fails every comparison: it passed the checks, and --gil-switch-ms nan aborted Python.
         (["--target", "/no/such/model", "--gil-switch-ms", "nan"], "--gil-switch-ms must be above 0"),
         (["--target", "/no/such/model", "--grace", "nan"], "--grace must be 0 or more"),
@@ -665,7 +668,9 @@ def test_serve_refuses_a_busy_port_and_a_short_token_before_loading(tmp_path) ->
         for extra, message in ((["--port", str(port)], f"127.0.0.1:{port} is already in use"),
                                (["--port", "0", "--metrics-port", str(port)], f"127.0.0.1:{port} is already in use"),
                                (["--port", "0", "--tokens-file", str(tokens)], "shorter than 16 characters"),
-                               (["--port", "0", "--metrics-host", "127.0.0.2"], "--metrics-host places the metrics: give a metrics port too")):
+                               (["--port", "0", "--metrics-host", "127.0.0.2"], "--metrics-host places the metrics: give a metrics port too"),
+                               # Port 0 left the host unchecked until the bind, after the model's load.
+                               (["--port", "0", "--host", "no-such-host.invalid"], "cannot bind no-such-host.invalid:0")):
             proc = subprocess.run([sys.executable, "-m", "specsplit.server.cli", "serve", "--target", "/no/such/model",
                                    *extra], capture_output=True, text=True, timeout=120)
             assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
@@ -680,11 +685,16 @@ def test_serve_refuses_tls_files_that_do_not_make_a_pair_and_tokens_that_revoke_
     twice, latin = tmp_path / "twice", tmp_path / "latin"
     twice.write_text("edge-1 0123456789abcdef0123\nedge-2 0123456789abcdef0123\n")
     latin.write_bytes(b"caf\xe9 0123456789abcdef0123\n")
+    # A no-break space pasted into the certificate: a TypeError out of ssl, and a traceback.
+    pasted = tmp_path / "pasted-ca.crt"
+    pasted.write_text(Path(crt("ca")).read_text().replace("\nMII", "\nMII\u00a0", 1))
     for extra, message in (
         (["--tls-cert", crt("server"), "--tls-key", key("client")], "are not a PEM certificate and its own unencrypted key"),
         (["--tls-cert", key("server"), "--tls-key", crt("server")], "are not a PEM certificate and its own unencrypted key"),
         (["--tls-cert", crt("server"), "--tls-key", key("server"), "--tls-client-ca", str(twice)],
          f"--tls-client-ca {twice} holds no PEM certificate"),
+        (["--tls-cert", crt("server"), "--tls-key", key("server"), "--tls-client-ca", str(pasted)],
+         f"--tls-client-ca {pasted} holds no PEM certificate"),
         (["--tokens-file", str(twice)], f"{twice}:2: device edge-2 has the token of device edge-1"),
         (["--tokens-file", str(latin)], f"{latin}: not UTF-8 text"),
     ):

@@ -28,15 +28,14 @@ class BindError(OSError):
 
 def check_port_free(host: str, port: int) -> None:
     """Raise OSError if something already listens on host:port, or no address of `host` can
-    be bound there. Port 0 (any free one) is always free. Like gRPC, a host name whose
+    be bound there. Port 0 (any free one) is always free, but its host is checked as any
+    other's (a host that does not resolve, or is not this machine's). Like gRPC, a host name whose
     addresses cannot all be bound (localhost's ::1 where IPv6 is off) is served on those that
     can. Two servers starting at the same instant can still both pass before either binds."""
     bare = host.strip("[]")  # gRPC writes IPv6 addresses in brackets, getaddrinfo without
     where = f"{bracketed(host)}:{port}"
     if not 0 <= port <= 65535:
         raise OSError(f"port {port} is out of range (0 to 65535)")
-    if port == 0:
-        return
     try:
         addresses = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

@@ -10,7 +10,7 @@ import argparse
 import math
 from pathlib import Path
 
-from specsplit.common.tls import check_pem
+from specsplit.common.tls import check_given, check_pem
 from specsplit.server.auth import load_tokens
 from specsplit.server.config import ConfigError, SchedulerConfig, ServeConfig, TLSConfig, resolve_engine
 from specsplit.server.listeners import check_port_free
@@ -85,6 +85,8 @@ def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeCo
     static = resolve_engine(args.engine, args.device) == "static"
     if static and not args.static_max_len >= MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")
+    check_given(("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-client-ca", args.tls_client_ca),
+                ("--tokens-file", args.tokens_file))
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         raise ValueError("--tls-cert and --tls-key go together (and --tls-client-ca needs both)")
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key),

@@ -39,9 +39,17 @@ def check_pem(cert: str | None = None, key: str | None = None, ca: str | None = 
 def _loads(certificate: str) -> bool:
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=certificate)
-    except ssl.SSLError:
+    except (ssl.SSLError, TypeError, ValueError):  # (TypeError: a stray non-ASCII character in the block)
         return False
     return True
+
+
+def check_given(*paths: tuple[str, str | None]) -> None:
+    """ValueError for a (flag, path) given as an empty path: an unset shell variable
+    ("--tls-ca $CA") reads as none given, and a client would talk plaintext without a word."""
+    for flag, path in paths:
+        if path is not None and not path.strip():
+            raise ValueError(f"{flag} is empty (an unset variable?): give a file")
 
 
 def client_credentials(ca: str | None, cert: str | None, key: str | None,
@@ -51,6 +59,7 @@ def client_credentials(ca: str | None, cert: str | None, key: str | None,
     ValueError, naming the option (--tls-ca, --tls-cert, --tls-key), for a certificate
     without its key or the reverse and for files that cannot be read or are not PEM
     (`check_pem`)."""
+    check_given(("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key))
     if bool(cert) != bool(key):
         raise ValueError("--tls-cert and --tls-key go together")
     if not (ca or cert or tls):

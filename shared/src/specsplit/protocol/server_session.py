@@ -104,8 +104,8 @@ class ServerSession:
     def _validate_open(req: OpenRequest, limits: ServerLimits) -> VerificationMode:
         if limits.tokenizer_fingerprint and req.tokenizer_fingerprint != limits.tokenizer_fingerprint:
             raise errors.FingerprintMismatch(
-                f"tokenizer of draft model {req.draft_model or '(unnamed)'} "
-                f"(fingerprint {req.tokenizer_fingerprint or 'none'}) differs from the tokenizer of target "
+                f"tokenizer of draft model {_quoted(req.draft_model) or '(unnamed)'} "
+                f"(fingerprint {_quoted(req.tokenizer_fingerprint) or 'none'}) differs from the tokenizer of target "
                 f"model {limits.target_model or '(unnamed)'} (fingerprint {limits.tokenizer_fingerprint})"
             )
         if not req.prompt_ids:
@@ -446,3 +446,15 @@ class ServerConnection:
             return []
         done = self.session.cancel()
         return [done] if done is not None else []
+
+
+QUOTED_CHARS = 64  # of a client's own text in a message the server logs and sends back
+
+
+def _quoted(text: str) -> str:
+    """A client's text as a message may show it: cut short, with its line ends and other
+    control characters escaped, so that it can neither forge log lines nor swell them."""
+    if not text:
+        return ""
+    cut = text[:QUOTED_CHARS]
+    return ascii(cut)[1:-1] + ("..." if len(text) > QUOTED_CHARS else "")
