@@ -21,6 +21,10 @@ from specsplit.edge.tokenizer import EdgeTokenizer
     (["--server", "127.0.0.1"], "give HOST:PORT"),  # gRPC would take 443
     (["--server", "a:1,b"], "'b': give HOST:PORT"),
     (["--server", "::1"], "give HOST:PORT ([IPV6]:PORT)"),  # gRPC would read an address on 443
+    # gRPC cannot parse these ("Unparsable name"): the edge retried them as a lost server, 70 s and more.
+    (["--server", "[127.0.0.1]:50051"], "give HOST:PORT ([IPV6]:PORT)"),
+    (["--server", "[]:50051"], "give HOST:PORT ([IPV6]:PORT)"),
+    (["--server", "[::1]]:50051"], "give HOST:PORT ([IPV6]:PORT)"),
     (["--server", "127.0.0.1:５０"], "give HOST:PORT"),  # digits, but not ones a port is written in
     (["--retries", "-1"], "--retries must be a whole number, 0 or more"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be a whole number of at least 1"),

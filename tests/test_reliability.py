@@ -38,13 +38,13 @@ METHOD = "/specsplit.v1.SpecSplit/Generate"
 FINGERPRINT = vocab_fingerprint(build_tokenizer().get_vocab())  # the tiny models' tokenizer
 
 
-def raw_stream(address: str, messages: list[bytes], read: int = 1000, timeout: float = 20):
+def raw_stream(address: str, messages: list[bytes], read: int = 1000, timeout: float = 20, metadata=None):
     """Send raw request bytes; return (status code or None, responses read)."""
     with grpc.insecure_channel(address) as ch:
         call = ch.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.ServerMessage.FromString)
         got = []
         try:
-            for msg in call(iter(messages), timeout=timeout):
+            for msg in call(iter(messages), timeout=timeout, metadata=metadata):
                 got.append(msg)
                 if len(got) >= read:
                     break
@@ -824,3 +824,31 @@ def test_a_failed_verification_worker_stops_the_server(tiny, monkeypatch) -> Non
     with pytest.raises(RuntimeError, match="worker failed") as failed:
         asyncio.run(asyncio.wait_for(serve(engine, SchedulerConfig(), ServeConfig(port=free_port(), grace_s=0.1)), 30))
     assert isinstance(failed.value.__cause__, ValueError)
+
+
+def test_a_token_server_takes_any_case_of_bearer_and_keeps_only_the_health_check_open(tiny, tmp_path) -> None:
+    """"bearer" (as HTTP's schemes, any case) was refused as missing; and Health/Watch, a
+    stream without end, was open to clients without a token (2,476 held on one connection)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("pi-kitchen 0123456789abcdef0123\n")
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--tokens-file", str(tokens)) as (address, _):
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as refused:
+                next(health.Watch(health_pb2.HealthCheckRequest(), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=10,
+                                 metadata=[("authorization", "Bearer 0123456789abcdef0123")])
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+            for header in ("bearer 0123456789abcdef0123", "BEARER  0123456789abcdef0123"):
+                code, got = raw_stream(address, [open_msg(PROMPT, max_new=2)], timeout=20,
+                                       metadata=[("authorization", header)])
+                assert code is None and got[0].WhichOneof("kind") == "opened", (header, code)
+            code, _ = raw_stream(address, [open_msg(PROMPT, max_new=2)], timeout=20,
+                                 metadata=[("authorization", "Basic 0123456789abcdef0123")])
+            assert code == grpc.StatusCode.UNAUTHENTICATED

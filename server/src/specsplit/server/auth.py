@@ -4,7 +4,9 @@ Tokens file: one `DEVICE_ID TOKEN` pair per line; blank lines and lines starting
 skipped. A token is printable ASCII (all gRPC metadata carries), at least 16 characters, a
 `#` in it as good as any other character. A call without
 an `authorization: Bearer ...` header is UNAUTHENTICATED; a token no device holds is
-PERMISSION_DENIED. Health checking and reflection stay open so probes work.
+PERMISSION_DENIED. A health check (Health/Check) and reflection stay open, so that probes
+and tools work; Health/Watch, a stream that never ends by itself, needs a token as
+generation does, so that no client without one can hold streams open without limit.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import grpc
 
 from specsplit.common.aio import within
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+OPEN_SERVICES = ("/grpc.health.v1.Health/Check", "/grpc.reflection.")
 
 
 def load_tokens(path: Path) -> dict[str, str]:
@@ -52,11 +54,13 @@ def load_tokens(path: Path) -> dict[str, str]:
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
-    """The token of a call's `authorization: Bearer ...` metadata, or None without one."""
+    """The token of a call's `authorization: Bearer ...` metadata (the scheme in any case, as
+    HTTP's are), or None without one."""
     header = dict(metadata or ()).get("authorization", "")
-    if not isinstance(header, str) or not header.startswith("Bearer "):
+    if not isinstance(header, str):
         return None
-    return header.removeprefix("Bearer ").strip()
+    scheme, _, token = header.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
 FIRST_MESSAGE_WAIT_S = 5.0
@@ -100,9 +104,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         if handler_call_details.method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
-        token = bearer_token(handler_call_details.invocation_metadata)
+        metadata = handler_call_details.invocation_metadata
+        token = bearer_token(metadata)
         if token is None:
-            return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata",
+            sent = "authorization" in dict(metadata or ())
+            return _deny(grpc.StatusCode.UNAUTHENTICATED, ("'authorization' metadata that is not 'Bearer <token>'" if sent
+                                                           else "missing 'authorization: Bearer <token>' metadata"),
                          self._on_refusal)
         if self.device_for(token) is None:
             return _deny(grpc.StatusCode.PERMISSION_DENIED, "this token belongs to no registered device",

@@ -1,14 +1,27 @@
 """A server's address as the command lines take it."""
 from __future__ import annotations
 
+import ipaddress
+
 
 def check_host_port(address: str) -> None:
     """ValueError unless `address` is HOST:PORT with a real port (IPv6 hosts in brackets):
-    gRPC takes a missing port as 443 and wraps one past 65535 around."""
+    gRPC takes a missing port as 443 and wraps one past 65535 around, and fails a call to a
+    host it cannot parse ([127.0.0.1], say) as if the server were lost, which an edge retries."""
     host, sep, port = address.rpartition(":")
-    bare_ipv6 = ":" in host and not (host.startswith("[") and host.endswith("]"))
-    if not sep or not host or bare_ipv6 or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+    if not sep or not _host(host) or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ValueError("give HOST:PORT ([IPV6]:PORT), with a port from 1 to 65535")
+
+
+def _host(host: str) -> bool:
+    """A host name or IPv4 address, or an IPv6 address (with its zone, if any) in brackets."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    return bool(host) and not any(c in host for c in ":[]")
 
 
 def bracketed(host: str) -> str:
