@@ -29,6 +29,7 @@ from loadtest.capacity import capacity
 from loadtest.capacity import render as capacity_render
 from loadtest.endpoint import ServerEndpoint
 from loadtest.harness import RunOptions, started, sweep_and_report
+from loadtest import point as point_module
 from loadtest.point import ServerHandle, run_point
 from loadtest.prompts import load_prompts
 from loadtest.report import _window, limit_text, render_markdown, write_report
@@ -450,6 +451,7 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
             if message.startswith("[1/"):
                 threading.Timer(1.0, proc.kill).start()
         monkeypatch.setattr(loadtest_run, "log", kill_in_first_point)
+        monkeypatch.setattr(point_module, "LOST_AFTER_S", 1.0)  # how long a lost server is tried
         lost = [*reach, *metrics_url, "--modes", "none,sim", "--sessions", "1,2", "--duration", "3"]
         assert loadtest_run.main([*lost, "--name", "lost"]) == 1
     text = (tmp_path / "out" / "ext.json").read_text()
@@ -477,9 +479,14 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
     first, = lost_report["results"]["none"]
     assert first["errors"]["total"] > 0 and not first["meets_slo"]
     assert "read(s) failed" in first["server"]["metrics"]
-    assert [p["generations"] for p in lost_report["results"]["sim"]] == [0]
-    assert "finished no generation" in lost_report["stopped"] and capacity(lost_report)["stopped"]
-    assert "**Stopped early:** sim with 1 session(s) finished no generation" in (tmp_path / "out" / "lost.md").read_text()
+    # The sweep stopped there, and the point is no measure of capacity (before, it read as
+    # the baseline's limit, "fewer than 1", and the next mode's point ran against nothing).
+    assert first["server_lost"] == "took no connection for 1 s" and "sim" not in lost_report["results"]
+    assert lost_report["stopped"].startswith("the server took no connection for 1 s during none with 1 session(s)")
+    assert capacity(lost_report)["stopped"] and capacity(lost_report)["baseline_limit"] == "unknown"
+    md = (tmp_path / "out" / "lost.md").read_text()
+    assert "**Stopped early:** the server took no connection for 1 s during none" in md
+    assert "| unknown (the server took no connection for 1 s during the first point, 1 sessions) |" in md
     other.shutdown()
 
 
@@ -528,8 +535,6 @@ def test_a_server_that_dies_during_a_point_stops_the_sweep_and_is_no_capacity_li
 
 
 def test_a_server_elsewhere_is_lost_when_it_takes_no_connection(server, monkeypatch) -> None:
-    from loadtest import point as point_module
-
     monkeypatch.setattr(point_module, "LOST_AFTER_S", 0.5)
     assert ServerHandle(ServerEndpoint(server), None, None).lost() is None
     assert ServerHandle(ServerEndpoint(f"127.0.0.1:{free_port()}"), None, None).lost() == "took no connection for 0.5 s"
