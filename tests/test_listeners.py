@@ -14,7 +14,7 @@ from conftest import free_port, launch_server
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.tokenizer import EdgeTokenizer
-from specsplit.server.listeners import bind_listeners, check_port_free
+from specsplit.server.listeners import BindError, bind_listeners, check_port_free
 from specsplit.server.config import ServeConfig
 from specsplit.server.metrics import ServerMetrics
 from test_end_to_end import reference
@@ -130,3 +130,27 @@ def test_an_ipv6_host_is_served_bare_or_bracketed_with_its_metrics(host: str) ->
     ServerMetrics().serve(metrics_port, host)
     with urllib.request.urlopen(f"http://[::1]:{metrics_port}/metrics", timeout=5) as reply:
         assert b"specsplit_" in reply.read()
+
+
+def test_metrics_are_served_on_every_address_of_their_host(monkeypatch) -> None:
+    """A name with two addresses (localhost where /etc/hosts gives ::1 first): the HTTP server
+    bound only the first, and a scraper of the other found nothing, while gRPC served both."""
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    real = socket.getaddrinfo
+
+    def both(host, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host == "dual.test":
+            return [*real("::1", *args, **kwargs), *real("127.0.0.1", *args, **kwargs)]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", both)
+    port = free_port()
+    ServerMetrics().serve(port, "dual.test")
+    for url in (f"http://[::1]:{port}/metrics", f"http://127.0.0.1:{port}/metrics"):
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            assert b"specsplit_" in reply.read(), url
+    with pytest.raises(BindError, match="could not serve the metrics on no-such-host.invalid"):
+        ServerMetrics().serve(free_port(), "no-such-host.invalid")

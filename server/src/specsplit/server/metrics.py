@@ -1,6 +1,8 @@
 """Prometheus metrics of the server (prometheus-client), served on their own port."""
 from __future__ import annotations
 
+import socket
+
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -104,7 +106,20 @@ class ServerMetrics:
                 counter.labels(value)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        try:  # the HTTP server wants an IPv6 address bare, where gRPC wants it in brackets
-            start_http_server(port, addr=host.strip("[]"), registry=self.registry)
-        except OSError as exc:
-            raise BindError(f"could not serve the metrics on {bracketed(host)}:{port}: {exc}") from None
+        """Serve the metrics on every address of `host` that can be bound, as gRPC serves: the
+        HTTP server binds only the first (localhost: ::1 alone where that comes first, and a
+        scraper of 127.0.0.1 found nothing)."""
+        where = f"{bracketed(host)}:{port}"
+        try:  # an IPv6 address bare here, where gRPC wants it in brackets
+            infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except socket.gaierror as exc:
+            raise BindError(f"could not serve the metrics on {where}: {exc.strerror}") from None
+        served, failed = 0, None
+        for address in dict.fromkeys(info[4][0] for info in infos):
+            try:
+                start_http_server(port, addr=address, registry=self.registry)
+                served += 1
+            except OSError as exc:  # (an address of a family this machine has off, say)
+                failed = exc
+        if not served:
+            raise BindError(f"could not serve the metrics on {where}: {failed}")
