@@ -486,7 +486,7 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
     assert capacity(lost_report)["stopped"] and capacity(lost_report)["baseline_limit"] == "unknown"
     md = (tmp_path / "out" / "lost.md").read_text()
     assert "**Stopped early:** the server took no connection for 1 s during none" in md
-    assert "| unknown (the server took no connection for 1 s during the first point, 1 sessions) |" in md
+    assert "| unknown (the server took no connection for 1 s during the first point, of 1 session) |" in md
     other.shutdown()
 
 
@@ -540,7 +540,7 @@ def test_a_server_elsewhere_is_lost_when_it_takes_no_connection(server, monkeypa
     assert ServerHandle(ServerEndpoint(f"127.0.0.1:{free_port()}"), None, None).lost() == "took no connection for 0.5 s"
     first = {"sessions": 4, "meets_slo": False, "generations": 3, "server_lost": "exited"}
     assert slo_limit([first]) == "unknown"
-    assert limit_text(_report([first], [first]), "none") == "unknown (the server exited during the first point, 4 sessions)"
+    assert limit_text(_report([first], [first]), "none") == "unknown (the server exited during the first point, of 4 sessions)"
 
 
 def test_a_generation_failure_is_counted_by_its_status_and_a_load_generator_fault_raised(monkeypatch) -> None:

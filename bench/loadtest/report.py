@@ -257,8 +257,8 @@ def limit_text(report: dict, mode: str) -> str:
     if limit == "unknown":
         first = points[0]
         if "server_lost" in first:
-            return f"unknown (the server {first['server_lost']} during the first point, {first['sessions']} sessions)"
-        return f"unknown (nothing was served at {first['sessions']} sessions, the first point)"
+            return f"unknown (the server {first['server_lost']} during the first point, of {_sessions(first)})"
+        return f"unknown (nothing was served at {_sessions(first)}, the first point)"
     if limit == "below":
         return f"fewer than {points[0]['sessions']} (the fewest tried missed it)"
     count = sessions_at_slo(points)
@@ -267,6 +267,10 @@ def limit_text(report: dict, mode: str) -> str:
         stopped = report.get("stopped") and mode == list(report["results"])[-1]
         return f"{count} or more (the most tried" + (" before the sweep stopped)" if stopped else ")")
     return str(count)
+
+
+def _sessions(point: dict) -> str:
+    return "1 session" if point["sessions"] == 1 else f"{point['sessions']} sessions"
 
 
 def write_report(report: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
