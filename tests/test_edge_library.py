@@ -364,6 +364,21 @@ def test_a_token_the_draft_cannot_read_leaves_the_rest_to_the_server(tiny, serve
     assert after.tokens == reference(str(tiny.target_dir), after_ids, 40) and after.stats.reconnects == 0
 
 
+def test_a_prompt_holding_an_id_the_draft_cannot_read_is_left_to_the_server(tiny, server, other_vocab_drafts,
+                                                                              caplog) -> None:
+    """A conversation's prompt may hold an earlier answer's id past the draft's rows: the
+    drafter's ValueError ended the generation, where one the target committed is left to the
+    server to decode alone."""
+    tok = EdgeTokenizer(tiny.draft_dir)
+    ids = [*tok.encode("def add(a, b):"), 310]
+    with caplog.at_level("WARNING", logger="specsplit.edge.attempt"):
+        result = asyncio.run(generate(server, ids, EdgeConfig(mode="async", max_new_tokens=12),
+                                      drafter=other_vocab_drafts[300], fingerprint=tok.fingerprint,
+                                      connect=ConnectOptions(retries=0)))
+    assert result.tokens == reference(str(tiny.target_dir), ids, 12)
+    assert "the prompt holds token id 310, past the draft's 300 ids" in caplog.text
+
+
 ORT_BUILT_FOR_NUMPY_1 = """
 import sys
 from importlib import metadata

@@ -6,15 +6,18 @@ import asyncio
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from conftest import free_port, launch_server
-from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
+from specsplit.edge.client import CallCancelled, ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
-from specsplit.protocol import codec
+from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Done, DoneReason, Opened, Verdict
+from specsplit.v1 import specsplit_pb2 as pb
+from protocol_sim import VOCAB, target_next
 from test_end_to_end import reference
 from test_reliability import metric, wait_for
 
@@ -240,3 +243,109 @@ def test_a_call_that_sends_no_open_ends_with_deadline_exceeded(tiny, tmp_path) -
 
         code, details = asyncio.run(asyncio.wait_for(main(), 30))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "no Open message within 0.3 s" in details
+
+
+class _TargetDrafter:
+    """Drafts the fake target's own next token (no model)."""
+
+    def next_logits(self, trajectory):  # type: ignore[no-untyped-def]
+        logits = np.zeros(VOCAB, dtype=np.float32)
+        logits[target_next(list(trajectory))] = 1.0
+        return logits
+
+
+async def _fake_server(generate_handler) -> tuple[grpc.aio.Server, str]:  # type: ignore[no-untyped-def]
+    """A gRPC server whose Generate is `generate_handler` (raw bytes in and out)."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specsplit.v1.SpecSplit", {
+        "Generate": grpc.stream_stream_rpc_method_handler(generate_handler)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _opened_then_a_token_a_verdict(pause_s: float, tokens: int | None = None):  # type: ignore[no-untyped-def]
+    """A server's Generate: Opened, then the target's next token in a verdict every `pause_s`,
+    drafts or not; after `tokens` of them, Done, and the call idles until the client goes."""
+    async def handler(requests, context):  # type: ignore[no-untyped-def]
+        prompt = list(codec.edge_from_pb(pb.EdgeMessage.FromString(await anext(aiter(requests)))).prompt_ids)
+        yield codec.server_to_pb(Opened("s", "t", 4096, 8, VOCAB)).SerializeToString()
+        seq = list(prompt)
+        while tokens is None or len(seq) - len(prompt) < tokens:
+            await asyncio.sleep(pause_s)
+            seq.append(target_next(seq))
+            yield codec.server_to_pb(Verdict(len(seq) - 1, (seq[-1],), 0, 0, len(seq))).SerializeToString()
+        yield codec.server_to_pb(Done(DoneReason.LENGTH, len(seq))).SerializeToString()
+        await asyncio.sleep(0.05)  # then the server ends the idle call (its idle timeout, shortened)
+    return handler
+
+
+@pytest.mark.parametrize(("mode", "how"), [("none", "abort"), ("async", "abort"), ("sync", "abort"),
+                                           ("async", "close the channel")])
+def test_a_call_its_caller_cancels_ends_the_generation(mode, how) -> None:
+    """gRPC ends a read of a call cancelled on the client's side with CancelledError: the
+    generation took it for its own cancellation and waited for good for a Done (async, sync),
+    or raised CancelledError though nobody had cancelled it (none)."""
+    async def main() -> None:
+        server, address = await _fake_server(_opened_then_a_token_a_verdict(0.05))
+        channel = grpc.aio.insecure_channel(address)
+        stream = GenerateStream.on(channel)
+        committed = asyncio.Event()
+        generation = asyncio.create_task(generate(
+            stream, [1, 2, 3], EdgeConfig(mode=mode, max_new_tokens=2000, window=4),
+            drafter=None if mode == "none" else _TargetDrafter(), on_commit=lambda _: committed.set()))
+        await asyncio.wait_for(committed.wait(), 10)
+        if how == "abort":
+            stream.abort()
+        else:
+            await channel.close()
+        try:
+            with pytest.raises(CallCancelled):
+                await asyncio.wait_for(generation, 10)  # a hang guard: it ends at once
+        finally:
+            await channel.close()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+def test_a_kept_call_the_server_ended_leaves_no_request_task_behind() -> None:
+    """Each generation on a kept stream whose call the server had ended while idle left the
+    old call's request task waiting on its queue for good: one more per generation."""
+    async def main() -> list[int]:
+        server, address = await _fake_server(_opened_then_a_token_a_verdict(0.0, tokens=1))
+        waiting = []
+        async with grpc.aio.insecure_channel(address) as channel:
+            stream = GenerateStream.on(channel)
+            for _ in range(4):
+                await generate(stream, [1, 2, 3], EdgeConfig(mode="none", max_new_tokens=1))
+                await asyncio.sleep(0.3)  # the server ends the idle call
+                # gRPC's task that sends a call's requests (the latest call's is still there)
+                waiting.append(sum("consume_request_iterator" in repr(t) for t in asyncio.all_tasks()))
+            stream.close()
+        await server.stop(None)
+        return waiting
+
+    assert asyncio.run(main()) == [1, 1, 1, 1]
+
+
+def test_a_server_that_does_not_open_first_is_not_retried() -> None:
+    """A server whose first message is not the session's Opened breaks the protocol, and would
+    again: it was retried as a lost server, every retry (71.5 s and more by default)."""
+    calls = []
+
+    async def verdict_first(requests, context):  # type: ignore[no-untyped-def]
+        calls.append(await anext(aiter(requests)))
+        yield codec.server_to_pb(Verdict(3, (5,), 0, 0, 4)).SerializeToString()
+
+    async def main() -> None:
+        server, address = await _fake_server(verdict_first)
+        try:
+            with pytest.raises(errors.NotOpenedFirst, match="first message was Verdict, not Opened"):
+                await generate(address, [1, 2, 3], EdgeConfig(mode="none", max_new_tokens=4),
+                               connect=ConnectOptions(retries=3, backoff_s=0.01))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+    assert len(calls) == 1

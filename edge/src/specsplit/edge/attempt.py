@@ -21,17 +21,17 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from specsplit.common.aio import within
+from specsplit.common.aio import being_cancelled, within
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
 from specsplit.edge.config import MODES, ConnectOptions, EdgeConfig
 from specsplit.edge.drafter import BatchDrafter, BranchOffering, Drafter, TokenPicker, VocabSized
-from specsplit.edge.failures import OnCommitFailed, StreamEnded, StreamStalled
+from specsplit.edge.failures import CallCancelled, OnCommitFailed, StreamEnded, StreamStalled
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
 from specsplit.edge.retry import SERVER_REFUSALS
 from specsplit.edge.stats import GenerationStats
 from specsplit.edge.stream import GenerateStream
-from specsplit.protocol import codec
+from specsplit.protocol import codec, errors
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.messages import MAX_CHUNK, Done, Opened, OpenRequest, Verdict, VerificationMode
 from specsplit.protocol.trajectory import draft_end_for
@@ -134,6 +134,14 @@ class Attempt:
         except asyncio.TimeoutError:
             call.cancel()
             raise StreamStalled(f"no message from the server for {self._connect.stall_timeout_s} s") from None
+        except asyncio.CancelledError:
+            # gRPC ends a read of a call cancelled on this side (the stream aborted, the
+            # channel closed) with CancelledError: as a task's cancellation, the generation
+            # waited for good for a Done that could no longer come.
+            if call.cancelled() and not being_cancelled():
+                raise CallCancelled("the call was cancelled on this side (the stream aborted, or its channel "
+                                    "closed) before the generation's Done") from None
+            raise
         if msg is grpc.aio.EOF:
             raise StreamEnded("the server ended the stream before Done")
         self.stats.bytes_down += msg.ByteSize() + GRPC_FRAME_BYTES
@@ -177,7 +185,10 @@ class Attempt:
             self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids, end)
             drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
             reading = asyncio.create_task(self._read_loop(stream.call, t0))
-            self._check_readable(self.committed_ids)  # a resumed generation's, before its first draft
+            # A prompt's (an earlier answer in a conversation) and a resumed generation's
+            # committed ids, before the first draft.
+            self._check_readable(self.prompt_ids, "the prompt holds")
+            self._check_readable(self.committed_ids)
             if drafting is not None:
                 # A drafter that fails ends the generation at once, with its own error: the
                 # server would wait for drafts that never come (sync) or finish alone (async).
@@ -225,7 +236,7 @@ class Attempt:
                 fresh = stream.begin(self._connect.metadata)
                 continue
             if not isinstance(event, Opened):
-                raise ConnectionError(f"expected Opened first, got {type(event).__name__}")
+                raise errors.NotOpenedFirst(f"the server's first message was {type(event).__name__}, not Opened")
             return event
 
     async def _read_loop(self, call, t0: float) -> None:  # type: ignore[no-untyped-def]
@@ -277,7 +288,7 @@ class Attempt:
         )
         beside = (
             drafter.branch_beside if not sync and pick is not None and self.cfg.branch_tokens > 0
-            and isinstance(drafter, BranchOffering) else None
+            and self.cfg.branches > 0 and isinstance(drafter, BranchOffering) else None
         )
         batched = isinstance(drafter, BatchDrafter)
         awaiting: int | None = None  # sync: verdict count when the last round was sent
@@ -345,7 +356,7 @@ class Attempt:
             return logits
         return logits[: self._target_vocab]
 
-    def _check_readable(self, tokens: Sequence[int]) -> None:
+    def _check_readable(self, tokens: Sequence[int], where: str = "the target committed") -> None:
         """Stop drafting for the rest of the generation once the target has committed a token
         the draft cannot read (a target with more vocabulary rows than the draft; trained
         models never pick those rows, random weights do): nothing can be drafted after it.
@@ -358,8 +369,8 @@ class Attempt:
         if past is None:
             return
         self._drafting_stopped = True
-        log.warning("the target committed token id %d, past the draft's %d ids: the server decodes the rest of "
-                    "this generation alone", past, readable)
+        log.warning("%s token id %d, past the draft's %d ids: the server decodes the rest of "
+                    "this generation alone", where, past, readable)
         assert self._stream is not None
         self._stream.finish_writing()
 

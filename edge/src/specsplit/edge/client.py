@@ -14,14 +14,14 @@ import grpc
 from specsplit.edge.attempt import Attempt, GenerationResult, Record
 from specsplit.edge.config import MODES, ConfigError, ConnectOptions, EdgeConfig, token_ids
 from specsplit.edge.drafter import Drafter
-from specsplit.edge.failures import OnCommitFailed, StreamEnded, StreamStalled
+from specsplit.edge.failures import CallCancelled, OnCommitFailed, StreamEnded, StreamStalled
 from specsplit.edge.retry import describe, next_backoff, retry_delay, spread
 from specsplit.edge.stats import GenerationStats
 from specsplit.edge.stream import GenerateStream
 
 # The library's names, importable from here as they always were.
 __all__ = [
-    "MODES", "ConfigError", "ConnectOptions", "EdgeConfig", "GenerationResult", "OnCommitFailed",
+    "MODES", "CallCancelled", "ConfigError", "ConnectOptions", "EdgeConfig", "GenerationResult", "OnCommitFailed",
     "StreamEnded", "StreamStalled", "generate", "open_channel", "token_ids",
 ]
 
@@ -70,8 +70,9 @@ async def generate(
     take; grpc.aio.AioRpcError with the server's status (refused, or the stream lost and the
     retries spent), StreamStalled (no message for the stall timeout, retries spent; its
     code() is UNAVAILABLE) or ConnectionError (the call ended before Done, retries spent);
-    OnCommitFailed where `on_commit` raised; ProtocolError where the server broke the
-    protocol; RuntimeError for a stream carrying another generation."""
+    OnCommitFailed where `on_commit` raised; CallCancelled where the caller cancelled the call
+    (GenerateStream.abort, its channel closed) while it ran; ProtocolError where the server
+    broke the protocol; RuntimeError for a stream carrying another generation."""
     if isinstance(via, str):
         via = [via]
     if not isinstance(via, (grpc.aio.Channel, GenerateStream)) and not via:

@@ -16,6 +16,11 @@ class OnCommitFailed(Exception):
     an OSError as a lost connection is."""
 
 
+class CallCancelled(Exception):
+    """The generation's call was cancelled on this side while it ran (GenerateStream.abort,
+    or its channel closed): the caller gave the generation up, so it is not retried."""
+
+
 class StreamStalled(Exception):
     """Nothing came from the server for longer than the stall timeout: to the caller, the
     server is as UNAVAILABLE as one that refuses connections."""

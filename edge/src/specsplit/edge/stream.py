@@ -67,6 +67,10 @@ class GenerateStream:
         """Make sure a call is open for the next generation; True if this started a new one."""
         if self._call is not None and not self._call.done() and not self._writing_done:
             return False
+        if self._call is not None and not self._writing_done:
+            # The call ended (the server's idle timeout, say) with its request stream open:
+            # gRPC's task sending it waits on its queue until it ends, one task per call.
+            self._outgoing.put_nowait(None)
         self._outgoing, self._writing_done = asyncio.Queue(), False
         self._call = self._stubs[self.server].Generate(self._requests(self._outgoing), metadata=metadata or None)
         return True

@@ -31,3 +31,11 @@ async def within(awaitable: Awaitable[T], timeout: float | None) -> T:
         await asyncio.wait({task})  # raises only for a cancellation of the caller's own
         raise asyncio.TimeoutError
     return task.result()
+
+
+def being_cancelled() -> bool:
+    """Whether the running task has been asked to cancel: a CancelledError it sees is then its
+    own, not one that something it awaited ended with (before Python 3.11 this cannot be
+    told, and the answer is False)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False

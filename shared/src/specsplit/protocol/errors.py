@@ -72,6 +72,13 @@ class VerdictOutOfOrder(ProtocolError):
     status = "INTERNAL"
 
 
+class NotOpenedFirst(ProtocolError):
+    """The server's first message for a session was not its Opened (server bug): a server
+    that breaks the protocol would break it again, so the edge does not retry it."""
+
+    status = "INTERNAL"
+
+
 class ServerBusy(ProtocolError):
     """Admission control: the server holds as many sessions as it allows. Sessions end within
     seconds, so an edge may try again after a second, on another server if it has one."""
