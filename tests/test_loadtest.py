@@ -44,7 +44,7 @@ from loadtest.targets import ARCHS, describe_target, write_config_target
 from loadtest.timeline import Acceptance
 from loadtest.workers import ClientWorkers
 from prompt_set import benchmark_prompts
-from specsplit.edge.client import StreamEnded, StreamStalled
+from specsplit.edge.client import ConnectOptions, EdgeConfig, StreamEnded, StreamStalled, generate
 from specsplit.edge.tokenizer import EdgeTokenizer
 from specsplit.server import cli as server_cli
 
@@ -227,6 +227,23 @@ def test_a_prompt_set_that_cannot_be_made_is_refused(tiny, tmp_path) -> None:
     shutil.copy(tiny.target_dir / "tokenizer.json", tmp_path / "tokenizer.json")  # no template beside it
     with pytest.raises(ValueError, match="chat template"):
         load_prompts(tmp_path, "benchmark")
+
+
+def test_no_branches_means_none_from_a_drafter_that_offers_its_own(running, references) -> None:
+    """--branches 0 turned off only the branches the edge drafts itself: a drafter that offers
+    its own (the simulated edges) still sent them."""
+    r = running[1]
+    taken = {}
+    for branches in (1, 0):
+        results = [asyncio.run(generate(
+            r.server.endpoint.address, ids,
+            EdgeConfig(mode="async", max_new_tokens=MAX_NEW, window=8, branches=branches),
+            drafter=SimulatedDrafter(len(ids), ref, r.opened.vocab_size, 0.6, random.Random(3), 1.0, random.Random(4)),
+            fingerprint=r.prompts.fingerprint, connect=ConnectOptions(retries=0)))
+            for ids, ref in zip(r.prompts.ids, references)]
+        assert [tuple(res.tokens) for res in results] == list(references)
+        taken[branches] = sum(res.stats.branches_taken + res.stats.branch_drafted for res in results)
+    assert taken[1] > 0 and taken[0] == 0, taken
 
 
 def test_simulated_drafter_offers_a_branch_only_beside_a_wrong_draft_once() -> None:
