@@ -114,6 +114,17 @@ def running_server(target: str, cores: Sequence[int] | None, extra: Sequence[str
             signal.signal(signal.SIGTERM, previous)
 
 
+def exited(pid: int) -> bool:
+    """Whether the process `pid` (a server this process started) has ended: gone, or a zombie
+    not yet reaped, whose memory would read 0."""
+    import psutil  # (here: a load generator for a server elsewhere has no psutil, and no pid)
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def run_edge(server: str, draft: str, prompt: str, mode: str, cores: Sequence[int] | None,
              extra: Sequence[str] = (), stream: bool = False, threads: int = 1) -> dict:
     """Run one edge generation; returns its stats JSON (with text and token ids)."""

@@ -20,7 +20,7 @@ import psutil
 
 from cli_types import at_least, out_dir, report_name
 from loadtest.rerun import rerun_command
-from orchestrate import machine, running_server, server_and_edge_cores
+from orchestrate import exited, machine, running_server, server_and_edge_cores
 from report_files import save_report
 from tiny_models import build_tiny_pair
 
@@ -74,7 +74,7 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
         nonlocal lost
         while time.monotonic() < deadline:
             try:
-                if proc.status() == psutil.STATUS_ZOMBIE:  # its memory would read 0
+                if exited(proc.pid):
                     raise psutil.NoSuchProcess(proc.pid)
                 memory.append((time.monotonic() - start, proc.memory_info().rss))
             except psutil.NoSuchProcess:

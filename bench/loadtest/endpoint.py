@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -52,10 +53,7 @@ class ServerEndpoint:
     def reachable(self, timeout_s: float) -> bool:
         """Whether a connection to the server (TCP, TLS and HTTP/2 set up) is made within
         `timeout_s`: no call is made, so a busy server still answers."""
-        credentials = _credentials(self.tls_ca, self.tls_cert, self.tls_key)
-        channel = (grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS) if credentials is None
-                   else grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS))
-        with channel:
+        with self._dial(grpc) as channel:
             try:
                 grpc.channel_ready_future(channel).result(timeout=timeout_s)
             except grpc.FutureTimeoutError:
@@ -64,10 +62,14 @@ class ServerEndpoint:
 
     def channel(self) -> grpc.aio.Channel:
         """A channel of its own (its own connection, as a separate device would have)."""
+        return self._dial(grpc.aio)
+
+    def _dial(self, api: Any) -> Any:
+        """A channel from `api` (grpc, or grpc.aio: the same calls), plaintext or TLS as set."""
         credentials = _credentials(self.tls_ca, self.tls_cert, self.tls_key)
         if credentials is None:
-            return grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        return grpc.aio.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
+            return api.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        return api.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
 
     def connect_options(self) -> ConnectOptions:
         """No retries: a load test counts a failed generation instead of hiding it."""

@@ -14,6 +14,7 @@ from loadtest.scrape import UNREADABLE, Snapshot, scrape, value
 from loadtest.sessions import LoadRun, LoadSpec, measured_window, run_sessions
 from loadtest.summary import summarize
 from loadtest.workers import ClientWorkers
+from orchestrate import exited
 from specsplit.common.aio import within
 
 SAMPLE_EVERY_S = 0.5
@@ -40,13 +41,7 @@ class ServerHandle:
         """How the server is gone, None where it is not: a process this load test started
         that has exited, or a server elsewhere that takes no connection within LOST_AFTER_S."""
         if self.pid is not None:
-            import psutil
-
-            try:
-                gone = psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE  # exited, not yet reaped
-            except psutil.NoSuchProcess:
-                gone = True
-            return "exited" if gone else None
+            return "exited" if exited(self.pid) else None
         if self.endpoint.reachable(LOST_AFTER_S):
             return None
         return f"took no connection for {LOST_AFTER_S:g} s"

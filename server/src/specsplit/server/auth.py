@@ -60,7 +60,8 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | No
     if not isinstance(header, str):
         return None
     scheme, _, token = header.strip().partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
 
 
 FIRST_MESSAGE_WAIT_S = 5.0

@@ -26,6 +26,11 @@ class BindError(OSError):
     since the check, say): its own line for the operator, not a traceback."""
 
 
+def bind_addresses(host: str, port: int) -> list[tuple]:
+    """getaddrinfo's answers for binding `host` (an IPv6 address bare or in brackets) on `port`."""
+    return socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise OSError if something already listens on host:port, or no address of `host` can
     be bound there. Port 0 (any free one) is always free, but its host is checked as any
@@ -37,7 +42,7 @@ def check_port_free(host: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise OSError(f"port {port} is out of range (0 to 65535)")
     try:
-        addresses = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addresses = bind_addresses(host, port)
     except socket.gaierror as exc:
         raise OSError(f"cannot bind {where}: {exc.strerror}") from None
     bound = 0

@@ -17,7 +17,7 @@ from prometheus_client import (
 from specsplit.common.address import bracketed
 from specsplit.protocol import errors
 from specsplit.protocol.messages import DoneReason
-from specsplit.server.listeners import BindError
+from specsplit.server.listeners import BindError, bind_addresses
 
 # Label values known in advance start at 0, so that rate() and absence alerts see a series
 # from the start rather than none until the first event.
@@ -110,8 +110,8 @@ class ServerMetrics:
         HTTP server binds only the first (localhost: ::1 alone where that comes first, and a
         scraper of 127.0.0.1 found nothing)."""
         where = f"{bracketed(host)}:{port}"
-        try:  # an IPv6 address bare here, where gRPC wants it in brackets
-            infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            infos = bind_addresses(host, port)
         except socket.gaierror as exc:
             raise BindError(f"could not serve the metrics on {where}: {exc.strerror}") from None
         served, failed = 0, None
