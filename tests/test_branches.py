@@ -243,6 +243,32 @@ def test_drafter_keeps_the_main_line_cache_while_drafting_a_branch(tiny) -> None
     np.testing.assert_allclose(got_branch, fresh.next_logits(branch), atol=1e-4)
 
 
+def test_a_batched_step_keeps_the_lines_its_rows_fork_off(tiny) -> None:
+    """Three rows that each leave a line of their own (the main line after a change, two
+    branches beside it) make three forks in one step: the drafter dropped the oldest cache at
+    each fork, the line the last row forks off among them, so the step ran row by row, that
+    row fed again from where the lines part."""
+    from specsplit.edge.drafter import OnnxDrafter
+
+    drafter = OnnxDrafter(tiny.draft_dir)
+    prompt = [5, 6, 7]
+    lines = {"x": [*prompt, 20, 21], "y": [*prompt, 30, 31], "main": [*prompt, 40, 41, 42]}
+    for line in lines.values():
+        drafter.next_logits(line)
+    fed: list[tuple[int, int]] = []
+    run = drafter._session.run
+    drafter._session.run = lambda names, feed: (fed.append(feed["input_ids"].shape), run(names, feed))[1]
+    rows = [[*prompt, 40, 41, 43], [*prompt, 20, 22], [*prompt, 30, 32]]
+    got = drafter.next_logits_batch(rows)
+    assert fed == [(3, 1)]  # one run, each row fed only its new token
+    fresh = OnnxDrafter(tiny.draft_dir)
+    for row, logits in zip(rows, got):
+        np.testing.assert_allclose(logits, fresh.next_logits(row), atol=1e-4)
+    fed.clear()
+    drafter.next_logits([*rows[0], 44])
+    assert fed == [(1, 1)]  # the main line's cache stayed
+
+
 @pytest.mark.parametrize("holes_kept", [16, 0])  # 0: every single-row step drops the padding
 def test_drafter_grows_line_and_branch_in_one_batched_run(tiny, monkeypatch, holes_kept) -> None:
     """next_logits_batch: one run of two rows, each fed only its new token over its own cache

@@ -3,6 +3,7 @@ shared by generations running at once, a kept stream that carries one generation
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 
@@ -14,8 +15,12 @@ from specsplit.edge.client import ConfigError, ConnectOptions, EdgeConfig, gener
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import EdgeTokenizer
-from specsplit.protocol.messages import SamplingParams, VerificationMode
+from specsplit.protocol import codec
+from specsplit.protocol.messages import Done, DoneReason, Opened, SamplingParams, VerificationMode, Verdict
+from specsplit.v1 import specsplit_pb2 as pb
+from protocol_sim import VOCAB, target_next
 from test_end_to_end import reference
+from test_stream_reuse import _fake_server
 
 NOWHERE = "127.0.0.1:1"  # nothing listens: a check that waits for the network would fail there
 
@@ -400,3 +405,57 @@ def test_an_onnx_runtime_built_for_numpy_1_is_named_with_its_fix() -> None:
     else:
         assert last.startswith(f"ImportError: ONNX Runtime 1.18.1 cannot run with numpy {np.__version__}")
         assert "install 'numpy<2', or ONNX Runtime 1.19 or newer" in last
+
+
+class _TargetPicker:
+    """Picks the fake target's own next token, inline (a TokenPicker: it fills the window at once)."""
+
+    def next_token(self, trajectory) -> int:  # type: ignore[no-untyped-def]
+        return target_next(list(trajectory))
+
+
+def test_drafts_a_verdict_left_unsent_go_out_though_the_window_is_full() -> None:
+    """A verdict saying the server holds fewer drafts than it was sent (one was dropped) makes
+    the edge send the rest again. At the draft end the window has no room: the edge waited
+    for room that never came, and the server decoded the rest alone."""
+    received: list = []
+
+    async def handler(requests, context):  # type: ignore[no-untyped-def]
+        requests = aiter(requests)
+
+        async def read():  # type: ignore[no-untyped-def]
+            return codec.edge_from_pb(pb.EdgeMessage.FromString(await anext(requests)))
+
+        prompt = list((await read()).prompt_ids)
+        yield codec.server_to_pb(Opened("s", "t", 4096, 8, VOCAB)).SerializeToString()
+        received.append(await read())
+        seq = [*prompt, target_next(prompt)]
+        # It holds only the first of the chunk's drafts.
+        yield codec.server_to_pb(Verdict(len(prompt), (seq[-1],), accepted=1, proposed=1, candidate_tip=len(seq),
+                                         chunks_received=1)).SerializeToString()
+        with contextlib.suppress(TimeoutError):
+            received.append(await asyncio.wait_for(read(), 10))  # a hang guard: it comes at once
+        start = len(seq)
+        while len(seq) < len(prompt) + 5:
+            seq.append(target_next(seq))
+        yield codec.server_to_pb(Verdict(start, tuple(seq[start:]), accepted=3, proposed=3, candidate_tip=len(seq) - 1,
+                                         chunks_received=2)).SerializeToString()
+        yield codec.server_to_pb(Done(DoneReason.LENGTH, len(seq))).SerializeToString()
+
+    async def main() -> list[int]:
+        server, address = await _fake_server(handler)
+        try:
+            result = await generate(address, [1, 2, 3], EdgeConfig(mode="async", max_new_tokens=5, window=8),
+                                    drafter=_TargetPicker(), connect=ConnectOptions(retries=0))
+        finally:
+            await server.stop(None)
+        return result.tokens
+
+    tokens = asyncio.run(main())
+    want = [1, 2, 3]
+    for _ in range(5):
+        want.append(target_next(want))
+    assert tokens == want[3:]
+    first, *again = received
+    assert (first.start, first.tokens) == (3, tuple(want[3:7]))  # up to the draft end
+    assert [(chunk.start, chunk.tokens) for chunk in again] == [(4, tuple(want[4:7]))]

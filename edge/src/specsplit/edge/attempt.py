@@ -301,6 +301,12 @@ class Attempt:
                     await self._wait_change()
                     continue
                 awaiting = None
+            # Drafts go out as soon as they are held, before anything waits: this also sends
+            # drafts a verdict left unsent (past a branch the server holds less of, or a
+            # resend), which would otherwise wait for room, and at the draft end for good.
+            if (not sync or edge.speculative >= self._k) and self._send_drafts(beside) and sync:
+                awaiting = self._verdicts
+                continue
             if branching:
                 self._open_branches()
             due = [b for b in edge.branches if self._branch_due(b)] if branching else []
@@ -337,16 +343,20 @@ class Attempt:
                 if branching:
                     self._choices[len(trajectory), token] = draft_choice(logits)
                 edge.push_draft(token, dist)
-            if sync and edge.speculative < self._k:
-                continue
-            # (More than a chunk's worth unsent only where a server's lookahead is past it.)
-            while (chunk := edge.next_chunk(MAX_CHUNK)) is not None:
-                if sync:
-                    awaiting = self._verdicts
-                self._mark("send", self._now(), chunk.start, len(chunk.tokens))
-                self._send(codec.draft_to_pb(chunk))
-                if beside is not None and edge.branch is None:
-                    self._offer_branch(beside, chunk.start, chunk.tokens)
+
+    def _send_drafts(self, beside: Callable[[int, int, int], tuple[int, ...] | None] | None) -> bool:
+        """Send the drafts not yet sent, a chunk at a time (more than a chunk's worth only
+        where a server's lookahead is past it); returns whether any went."""
+        edge = self.edge
+        assert edge is not None
+        sent = False
+        while (chunk := edge.next_chunk(MAX_CHUNK)) is not None:
+            sent = True
+            self._mark("send", self._now(), chunk.start, len(chunk.tokens))
+            self._send(codec.draft_to_pb(chunk))
+            if beside is not None and edge.branch is None:
+                self._offer_branch(beside, chunk.start, chunk.tokens)
+        return sent
 
     def _target_ids(self, logits: np.ndarray) -> np.ndarray:
         """The draft's logits over the ids the target has: a draft with more vocabulary rows

@@ -151,8 +151,7 @@ class OnnxDrafter:
     def _cache_for(self, trajectory: Sequence[int]) -> tuple[_Cache, int]:
         """The cache sharing the longest prefix with `trajectory` (the most recent of
         equals), and that length. If the trajectory leaves that cache's line, the cache is
-        forked rather than cut back, so its line stays for later; the least recently used
-        cache goes when there are too many."""
+        forked rather than cut back, so its line stays for later (until _trim)."""
         best, common = self._caches[-1], -1
         for cache in reversed(self._caches):
             n = common_prefix(cache.tokens, trajectory)
@@ -163,8 +162,14 @@ class OnnxDrafter:
         if common < len(best.tokens):
             best = _Cache(list(best.tokens), list(best.past), best.last_logits, best.mask)  # to be cut: no batch
             self._caches.append(best)
-            del self._caches[: -self.CACHES]
         return best, common
+
+    def _trim(self, in_use: Sequence[_Cache]) -> None:
+        """Drop the least recently used caches past CACHES, never one that the step is using.
+        A batched step chooses all its rows' caches before any goes: trimming after each
+        choice dropped the line a later row would fork off, or the main line's own fork."""
+        spare = [c for c in self._caches if c not in in_use][: max(0, len(self._caches) - self.CACHES)]
+        self._caches = [c for c in self._caches if c not in spare]
 
     @staticmethod
     def _cut_back(cache: _Cache, common: int, trajectory: Sequence[int]) -> int:
@@ -196,6 +201,7 @@ class OnnxDrafter:
 
     def _next_logits(self, trajectory: Sequence[int]) -> np.ndarray:
         cache, common = self._cache_for(trajectory)
+        self._trim([cache])
         if common == len(trajectory) == len(cache.tokens) and cache.last_logits is not None:
             return cache.last_logits
         keep = self._cut_back(cache, common, trajectory)
@@ -233,6 +239,7 @@ class OnnxDrafter:
         for trajectory in trajectories:
             cache, common = self._cache_for(trajectory)
             caches.append((cache, self._cut_back(cache, common, trajectory)))
+        self._trim([c for c, _ in caches])
         if len({id(c) for c, _ in caches}) < len(caches) or any(
                 keep != len(t) - 1 for (_, keep), t in zip(caches, trajectories)):
             return [self._next_logits(t) for t in trajectories]
