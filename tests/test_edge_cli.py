@@ -2,6 +2,9 @@
 one usage line, and the program ends cleanly on errors and on Ctrl-C."""
 from __future__ import annotations
 
+import argparse
+import asyncio
+import io
 import json
 import shutil
 import signal
@@ -26,6 +29,10 @@ from specsplit.edge.tokenizer import EdgeTokenizer
     (["--server", "[]:50051"], "give HOST:PORT ([IPV6]:PORT)"),
     (["--server", "[::1]]:50051"], "give HOST:PORT ([IPV6]:PORT)"),
     (["--server", "127.0.0.1:５０"], "give HOST:PORT"),  # digits, but not ones a port is written in
+    # gRPC fails these in each call, as it would a lost server, which the edge retried for a minute or more
+    (["--server", "exa mple.com:80"], "give HOST:PORT"),
+    (["--server", "unix:"], "give unix:PATH"),
+    (["--draft", "dr\udce9ft"], "the path is not UTF-8 text"),  # was: taken for an unreadable tokenizer
     (["--retries", "-1"], "--retries must be a whole number, 0 or more"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be a whole number of at least 1"),
     (["--seed", "-5"], "--seed must fit in 64 unsigned bits"),
@@ -219,6 +226,27 @@ def test_a_stats_file_that_is_the_prompts_file_is_refused_before_it_erases_them(
                  "--prompts-file", str(prompts), "--stats-json", str(tmp_path / "link.txt")]) == 2
     assert "is the --prompts-file" in capsys.readouterr().err
     assert prompts.read_text() == "one\ntwo\n"  # was: emptied, nothing generated, exit status 0
+
+
+def test_standard_input_that_is_not_utf8_is_an_error(tiny, capsys, monkeypatch) -> None:
+    """Under a C or UTF-8 locale, Python reads standard input's bytes that are no UTF-8 as lone
+    surrogates, which the tokenizer then failed on with a traceback."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\nhello\n"), errors="surrogateescape"))
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", str(tiny.draft_dir), "--prompts-file", "-",
+                 "--retries", "0", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --prompts-file -: line 1 is not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_a_windows_line_end_on_standard_input_is_no_part_of_the_prompt() -> None:
+    """A file opened by name loses its \r\n; standard input kept the \r in each prompt."""
+    from specsplit.edge.cli import _prompts
+
+    async def lines() -> list:
+        args = argparse.Namespace(prompts_file="-", prompt=None)
+        return [line async for line in _prompts(args, io.StringIO("hello\r\n\r\nworld\r\n"))]
+
+    assert asyncio.run(lines()) == [(1, "hello"), (3, "world")]
 
 
 def test_a_prompt_that_is_not_utf8_is_refused(capsys) -> None:

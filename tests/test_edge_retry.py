@@ -75,3 +75,20 @@ def test_an_address_that_takes_tcp_but_never_answers_fails_an_attempt_after_the_
         asyncio.run(asyncio.wait_for(generate(address, [1, 2, 3], EdgeConfig(mode="none"),
                                               connect=ConnectOptions(connect_timeout_s=0.5, retries=0)), 15))
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "SETTINGS" in failed.value.details()
+
+
+@pytest.mark.parametrize("backoff_s", [0.5, 0.1, 0.0])
+def test_grpc_waits_less_between_connection_attempts_than_the_edge_between_retries(monkeypatch, backoff_s) -> None:
+    """A channel retries its connection on gRPC's own backoff (1 s growing to 120 s, by 1.6,
+    20% jitter) and fails a call made while it waits at once: the edge's retries (8 s apart at
+    most) fell in those waits, so an edge whose server was down for a minute gave up though it
+    was back (by hand: down 12 s, up at the 16 s retry now, at the 27 s one before)."""
+    from specsplit.edge import client
+    from specsplit.edge.retry import MAX_BACKOFF_S
+
+    seen: dict[str, int | str] = {}
+    monkeypatch.setattr(client.grpc.aio, "insecure_channel", lambda address, options: seen.update(options))
+    client.open_channel("127.0.0.1:1", ConnectOptions(backoff_s=backoff_s))
+    jitter = 1.2
+    assert seen["grpc.initial_reconnect_backoff_ms"] * jitter <= max(backoff_s * 1000, 1 * jitter)
+    assert seen["grpc.max_reconnect_backoff_ms"] * jitter <= MAX_BACKOFF_S * 1000

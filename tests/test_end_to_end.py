@@ -248,6 +248,31 @@ def test_a_prompt_the_server_refuses_does_not_end_the_others(tiny, server) -> No
     assert "error: line 2: OUT_OF_RANGE" in proc.stderr and "error: 1 of the prompts failed" in proc.stderr
 
 
+def test_a_prompt_past_the_servers_message_limit_does_not_end_the_others(tiny, tmp_path) -> None:
+    """A prompt whose Open is past the server's --max-message-bytes, which the server refuses,
+    and one past twice that, which gRPC refuses before it: RESOURCE_EXHAUSTED without
+    pushback, each its own prompt's failure. Before, the run ended at the first, the prompts
+    after it never sent."""
+    from conftest import launch_server
+
+    tok = EdgeTokenizer(tiny.draft_dir)
+
+    def packed(text: str) -> int:  # the bytes of the Open's prompt ids
+        return sum(1 if i < 128 else 2 for i in tok.encode(text, add_special_tokens=True))
+
+    over, far_over = "word " * 1200, "word " * 3000
+    assert 4096 < packed(over) < 8192 < packed(far_over)
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--max-message-bytes", "4096") as (address, _):
+        proc = edge_cli(address, tiny.draft_dir, "--max-new-tokens", "4", "--json", "--raw", "--prompts-file", "-",
+                        input=f"hello\n{over}\n{far_over}\ndef add(a, b):\n")
+    assert proc.returncode == 1, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["line"] for line in lines] == [1, 2, 3, 4]
+    assert [line.get("error", "").split(":")[0] for line in lines] == ["", "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED", ""]
+    assert lines[3]["token_ids"] == reference(str(tiny.target_dir), tok.encode("def add(a, b):", add_special_tokens=True), 4)
+    assert "error: 2 of the prompts failed" in proc.stderr
+
+
 def test_health_and_reflection(server) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 

@@ -21,7 +21,7 @@ from typing import TextIO
 
 import grpc
 
-from specsplit.common.address import check_host_port
+from specsplit.common.address import check_host_port, check_unix
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 from specsplit.common.tls import client_credentials, tls_hint
 from specsplit.edge.branching import MIN_CHANCE
@@ -37,7 +37,7 @@ from specsplit.edge.client import (
     open_channel,
 )
 from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
-from specsplit.edge.retry import MAX_BACKOFF_S, retry_span
+from specsplit.edge.retry import MAX_BACKOFF_S, pushback_of, retry_span
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import TEMPLATE_FAILED, EdgeTokenizer
 from specsplit.protocol.errors import ProtocolError
@@ -130,8 +130,12 @@ async def _prompts(args: argparse.Namespace, source: TextIO | None) -> AsyncIter
         if isinstance(line, Exception):
             raise OSError(f"--prompts-file {args.prompts_file}: {line}")
         number += 1
+        # Standard input under a C or UTF-8 locale reads bytes that are no UTF-8 as lone
+        # surrogates, not as an error; and it keeps a Windows line end, which a file loses.
+        if not _utf8(line):
+            raise ValueError(f"--prompts-file {args.prompts_file}: line {number} is not UTF-8 text")
         if line.strip():
-            yield number, line.rstrip("\n")
+            yield number, line.rstrip("\r\n")
 
 
 def open_prompts(args: argparse.Namespace) -> TextIO | None:
@@ -212,16 +216,21 @@ async def _generate(args: argparse.Namespace, log_handler: LogBesideText, prompt
     return 1 if failed else 0
 
 
-# What the server refuses in one prompt (too long for its context) rather than in every one:
-# its INVALID_ARGUMENTs (a token outside the vocabulary, max_new_tokens over its limit) come
-# from the edge's settings or its draft, and would come again for every prompt.
-PROMPT_REFUSALS = (grpc.StatusCode.OUT_OF_RANGE,)
+# What the server refuses in one prompt rather than in every one: OUT_OF_RANGE (too long for
+# its context), and a RESOURCE_EXHAUSTED without pushback (a message past its size limit: the
+# Open, which carries the prompt, where a draft chunk holds at most MAX_CHUNK tokens; a full
+# server's carries pushback). Its INVALID_ARGUMENTs (a token outside the vocabulary,
+# max_new_tokens over its limit) come from the edge's settings or its draft, and would come
+# again for every prompt.
+def _refuses_prompt(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() == grpc.StatusCode.OUT_OF_RANGE or (
+        exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and pushback_of(exc) is None)
 
 
 def _prompts_own(exc: BaseException) -> str | None:
     """What went wrong with one prompt of many, where that is the prompt's own fault, not the
     run's: the server refused it, or the chat template failed on it."""
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in PROMPT_REFUSALS:
+    if isinstance(exc, grpc.aio.AioRpcError) and _refuses_prompt(exc):
         return f"{exc.code().name}: {exc.details()}"
     if isinstance(exc, ValueError) and str(exc).startswith(TEMPLATE_FAILED):
         return str(exc)
@@ -349,10 +358,8 @@ def server_list(servers: str) -> list[str]:
     if not entries:
         raise ValueError("--server: give HOST:PORT")
     for server in entries:
-        if server.startswith(("unix:", "unix-abstract:")):
-            continue
         try:
-            check_host_port(server)
+            (check_unix if server.startswith(("unix:", "unix-abstract:")) else check_host_port)(server)
         except ValueError as exc:
             raise ValueError(f"--server {server!r}: {exc}") from None
     return entries
@@ -376,6 +383,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("PROMPT is empty")
     if args.prompt is not None and not _utf8(args.prompt):
         raise ValueError("PROMPT is not UTF-8 text")
+    if not _utf8(args.draft):  # the Open names the draft, in UTF-8
+        raise ValueError(f"--draft {args.draft!r}: the path is not UTF-8 text; rename it")
     if args.tls_server_name is not None and not (args.tls or args.tls_ca or args.tls_cert):
         raise ValueError("--tls-server-name is for TLS: give --tls or --tls-ca too")
     try:

@@ -15,7 +15,7 @@ from specsplit.edge.attempt import Attempt, GenerationResult, Record
 from specsplit.edge.config import MODES, ConfigError, ConnectOptions, EdgeConfig, token_ids
 from specsplit.edge.drafter import Drafter
 from specsplit.edge.failures import CallCancelled, OnCommitFailed, StreamEnded, StreamStalled
-from specsplit.edge.retry import describe, next_backoff, retry_delay, spread
+from specsplit.edge.retry import MAX_BACKOFF_S, describe, next_backoff, retry_delay, spread
 from specsplit.edge.stats import GenerationStats
 from specsplit.edge.stream import GenerateStream
 
@@ -33,6 +33,12 @@ def open_channel(address: str, connect: ConnectOptions) -> grpc.aio.Channel:
         ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000),
         # gRPC's minimum connect timeout (its MIN_CONNECT_TIMEOUT) goes by this name.
         ("grpc.min_reconnect_backoff_ms", round(connect.connect_timeout_s * 1000)),
+        # gRPC waits between its own connection attempts (1 s growing to 120 s by default), and
+        # a call made meanwhile fails at once: a retry at the edge's backoff would find the
+        # server back up yet not try it. At half the edge's backoff, jitter and all, gRPC's
+        # wait has ended when the edge retries.
+        ("grpc.initial_reconnect_backoff_ms", max(1, round(connect.backoff_s * 500))),
+        ("grpc.max_reconnect_backoff_ms", round(MAX_BACKOFF_S * 500)),
     ]
     if connect.tls_server_name:
         options.append(("grpc.ssl_target_name_override", connect.tls_server_name))

@@ -68,10 +68,16 @@ def retry_delay(exc: Exception, backoff: float, servers: int = 1) -> float | Non
         return None
     if exc.code() in RETRYABLE:
         return backoff
-    pushback = (exc.trailing_metadata() or grpc.aio.Metadata()).get(errors.PUSHBACK_METADATA)
+    pushback = pushback_of(exc)
     if pushback is None:
         return None
     try:
         return max(backoff, int(pushback) / 1000)
     except ValueError:  # gRPC: a pushback that does not parse means "do not retry"
         return None
+
+
+def pushback_of(exc: grpc.aio.AioRpcError) -> str | None:
+    """The server's pushback on `exc` (how many ms to wait before trying again), if it sent
+    one: a full server does; a RESOURCE_EXHAUSTED without it refused a message for its size."""
+    return (exc.trailing_metadata() or grpc.aio.Metadata()).get(errors.PUSHBACK_METADATA)

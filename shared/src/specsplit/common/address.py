@@ -14,14 +14,22 @@ def check_host_port(address: str) -> None:
 
 
 def _host(host: str) -> bool:
-    """A host name or IPv4 address, or an IPv6 address (with its zone, if any) in brackets."""
+    """A host name (ASCII: an international one in its xn-- form) or IPv4 address, or an IPv6
+    address (with its zone, if any) in brackets."""
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             return False
         return True
-    return bool(host) and not any(c in host for c in ":[]")
+    # gRPC's resolver takes nothing else: a space, say, fails each call as a lost server would.
+    return bool(host) and all(c.isascii() and (c.isalnum() or c in "-._") for c in host)
+
+
+def check_unix(address: str) -> None:
+    """ValueError unless `address` (unix:PATH or unix-abstract:NAME) names a socket."""
+    if not address.partition(":")[2]:
+        raise ValueError("give unix:PATH (or unix-abstract:NAME) with the socket's path")
 
 
 def bracketed(host: str) -> str:
