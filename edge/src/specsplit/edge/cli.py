@@ -278,13 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True,
                            parser_class=functools.partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
     g = sub.add_parser("generate", help="generate a completion of PROMPT (or of each line of --prompts-file)",
-                       epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN.")
+                       epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN. Exit "
+                       "status: 0 done; 1 the server refused the generation, or lost it with the retries spent, or "
+                       "prompts of --prompts-file failed, or writing the answer failed; 2 bad arguments, files or draft export, or a server that "
+                       "broke the protocol; 130 interrupted; 141 the reader of standard output went away.")
     g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt (or give --prompts-file)")
     g.add_argument("--prompts-file", metavar="FILE",
                    help="instead of PROMPT: generate for each line of FILE in turn ('-': standard input, a line "
                    "at a time as it is typed), all on one kept stream; --json and --stats-json then give a "
-                   "JSON line per prompt, with its line number. A prompt the server refuses as too long, or the "
-                   "chat template refuses, "
+                   "JSON line per prompt, with its line number. A prompt the server refuses as too long (for its "
+                   "context or its message size limit), or the chat template refuses, "
                    "gets an error line (and a JSON line with its error) and the rest go on; the exit status "
                    "is then 1")
     g.add_argument("--server", required=True,
