@@ -508,6 +508,47 @@ def test_a_prompt_too_long_to_split_within_the_limits_goes_whole() -> None:
     asyncio.run(main())
 
 
+def test_a_cut_never_widens_a_split_batch_past_the_token_limit() -> None:
+    """8 cached sessions feeding 9 tokens (8 drafts) beside a fresh 20-token prompt with 17
+    drafts: the pick counts that feed (37) as 5 rows of 9, 117 tokens of 128. On a flat cost
+    curve (a GPU bound by launch overhead) the cut found 32 the best width, the prompt in one
+    row of it: 9 rows of 32, 288 tokens, a shape the graphs captured at start lack (it was
+    captured mid-run, holding up every session in it)."""
+    async def main() -> None:
+        worker = _drafting_worker(8, 8, 0.010, 0.0)
+        worker.config = dataclasses.replace(worker.config, max_batch_sessions=16, max_batch_tokens=128)
+        worker.engine = _SplittingShapes()  # type: ignore[assignment]
+        _cached(worker)
+        _add_fresh(worker, "fresh", tuple(range(1, 21)), tuple(range(30, 47)))
+        batch, _ = worker._pick()
+        items = [sh.item for sh in batch]
+        assert len(batch) == 9
+        assert worker.engine.pass_shape(items) in pass_shapes(16, 128)
+        widest = max(min(-(-it.feed_length // it.pieces), TOKEN_BUCKETS[-1]) for it in items)
+        assert sum(it.pieces for it in items) * widest <= 128
+
+    asyncio.run(main())
+
+
+def test_sessions_lead_the_next_round_where_neither_a_split_nor_whole_feeds_fit() -> None:
+    """A fresh 110-token prompt beside 4 sessions of 11 fits the limits as the pick counts it
+    (14 rows of 11, 154 tokens, 15 rows and 154 tokens allowed); no width the cut may take
+    does (8: 18 rows; 12: 168 tokens; 16: 176; 32: 256), nor whole feeds (5 rows of 32,
+    160 tokens), which went anyway. The last session leads the next round."""
+    async def main() -> None:
+        worker = _drafting_worker(4, 10, 0.04, 5e-5)
+        worker.config = dataclasses.replace(worker.config, max_batch_sessions=15, max_batch_tokens=154)
+        worker.engine = _SplittingShapes()  # type: ignore[assignment]
+        _cached(worker)
+        _add_fresh(worker, "long", tuple(range(1, 111)), max_new_tokens=8)
+        batch, _ = worker._pick()
+        assert [sh.handle.session.session_id for sh in batch] == ["long", "s3", "s2", "s1"]
+        assert {sh.item.pieces for sh in batch} == {1} and len(batch) * TOKEN_BUCKETS[-1] <= 154
+        assert worker.sessions["s0"].overdue_at is not None
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("splits", [False, True])
 def test_a_long_prompt_does_not_keep_a_busy_batch_small(splits) -> None:
     """A fresh 200-token prompt first in line, then 100 busy sessions, under a 4096-token
@@ -704,6 +745,34 @@ def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
         prefill, *steps = engine.passes
         assert prefill == [(40, 0)] and steps
         assert timed == [drafts for ((_, drafts),) in steps]  # every pass but the prefill
+
+    asyncio.run(main())
+
+
+class _SplittingEcho(_SplittingShapes, _EchoEngine):
+    """_EchoEngine with the static engine's shapes: a feed longer than its rows goes in passes of its own first."""
+
+
+def test_a_prompt_fed_in_passes_of_its_own_times_no_pass_of_the_last_one_s_shape() -> None:
+    """A 400-token prompt verified alone goes in 12 passes of 32 before its last one: their
+    time was recorded as one 32-token pass's, 13 times what it costs, and every width the cut
+    weighs was priced from it."""
+    async def main() -> None:
+        engine = _SplittingEcho()
+        worker = VerificationWorker(engine=engine, config=SchedulerConfig())  # type: ignore[arg-type]
+        timed: list[int] = []
+        worker.pass_costs.observe = lambda padded, seconds: timed.append(padded)  # type: ignore[method-assign]
+        h = _async_session(worker, "s", tuple(range(1, 401)))
+        runner = asyncio.create_task(worker.run())
+        try:
+            while h.session.done is None:
+                await asyncio.wait_for(h.outbox.get(), 5)
+        finally:
+            runner.cancel()
+            worker.close()
+        prefill, *steps = engine.passes
+        assert prefill == [(400, 0)] and steps
+        assert timed == [math.prod(engine.padded_shape(1, feed)) for ((feed, _),) in steps]  # every pass but the prefill
 
     asyncio.run(main())
 

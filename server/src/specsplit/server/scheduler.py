@@ -137,6 +137,9 @@ class HandedPass:
     items: list[VerifyItem]  # the batch's, as handed to the target (which says when it began them)
     running: asyncio.Future  # type: ignore[type-arg]
     padded_tokens: int
+    # No feed longer than its rows: a longer one (a prompt verified alone, or fed whole) goes
+    # in passes of its own first, whose time is no pass of this shape's.
+    one_pass: bool
 
 
 class VerificationWorker:
@@ -386,7 +389,20 @@ class VerificationWorker:
         """Trim the sessions' drafts to the feed width that yields the most tokens per second
         for this batch (policy.choose_width): a few long feeds must not pad everyone. An
         engine that can split a feed over rows (split_width) takes a longer one, a prompt
-        say, in pieces of that width, so it does not widen the rows of all the others."""
+        say, in pieces of that width, so it does not widen the rows of all the others.
+        Where no width splits the feeds within the pass's limits (the pick counts a long
+        feed's rows at the batch's own width, which need not be one the engine pads to), each
+        feed goes whole, in a row of its own; where that is too many tokens too, the last
+        sessions lead the next round instead."""
+        while (cut := self._cut(batch)) is None:
+            batch = batch[:-1]
+        return cut
+
+    def _cut(self, batch: list[Share]) -> list[Share] | None:
+        """_cut_to_width's cut of `batch`, or None where the engine splits feeds and neither a
+        split nor whole feeds fit the pass's limits."""
+        if len(batch) == 1:
+            return batch  # alone, it verifies what it was planned with
         rows = [(sh.item.feed_length - len(sh.task.drafts) - sh.item.branch_tokens, len(sh.task.drafts),
                  acceptance_estimate(sh.handle.session.drafts_accepted, sh.handle.session.rejections)) for sh in batch]
         floors = np.array([f for f, _, _ in rows])
@@ -397,18 +413,21 @@ class VerificationWorker:
         def split(w: int) -> int | None:
             row_width = self.engine.padded_shape(1, w)[1]  # where the engine cuts pieces
             pieces = int((-(-floors // row_width)).sum())
-            if pieces > self.config.max_batch_sessions:
-                return None  # more rows than a pass may take
-            if pieces > len(batch) and pieces * row_width > self.config.max_batch_tokens:
-                return None  # more tokens than a pass may take, counted as the pick counts them
+            # More rows, or tokens (rows times the width, as the pick and the shapes captured at
+            # start count them), than a pass may take: a width past the pick's widens every
+            # row, split or not.
+            if pieces > self.config.max_batch_sessions or pieces * row_width > self.config.max_batch_tokens:
+                return None
             return math.prod(self.engine.padded_shape(pieces, w))
 
         host_s = self._host_per_visit * len(batch)
         split_width = self.engine.split_width
         width = choose_width(rows, split if split_width else whole, self.pass_costs, split_width, host_s)
         if split_width and split(width) is None:  # no split fits the pass's limits: every feed goes whole
-            split_width = 0
             width = choose_width(rows, whole, self.pass_costs, 0, host_s)
+            if len(batch) * min(width, split_width) > self.config.max_batch_tokens:
+                return None  # a row each is too many tokens too
+            split_width = 0
         cut = []
         for sh, (floor, drafts, _) in zip(batch, rows):
             pieces = -(-floor // width) if split_width else 1
@@ -468,7 +487,8 @@ class VerificationWorker:
                         # Timed by drafts, so only passes that fed nothing else: one prefill (or a
                         # branch) would otherwise make verifying a draft or two look as dear as a prompt.
                         self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
-                    self.pass_costs.observe(padded_tokens, elapsed)
+                    if current.one_pass:
+                        self.pass_costs.observe(padded_tokens, elapsed)
                     self.metrics.verify_seconds.observe(elapsed)
                 self._observe_host(len(batch))
                 self.metrics.batch_sessions.observe(len(batch))
@@ -520,7 +540,8 @@ class VerificationWorker:
         """`batch`'s pass, handed to the target's thread."""
         items = [sh.item for sh in batch]
         running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
-        return HandedPass(batch, items, running, math.prod(self.engine.pass_shape(items)))
+        rows, width = self.engine.pass_shape(items)
+        return HandedPass(batch, items, running, rows * width, all(it.feed_length <= it.pieces * width for it in items))
 
     def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
         """The engine's results and its time for them, timed in the target's thread: the
