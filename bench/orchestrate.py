@@ -130,8 +130,10 @@ def run_edge(server: str, draft: str, prompt: str, mode: str, cores: Sequence[in
     """Run one edge generation; returns its stats JSON (with text and token ids)."""
     with tempfile.TemporaryDirectory() as tmp:
         stats = Path(tmp) / "stats.json"
+        # --retries 0: a run that lost its stream fails, rather than being measured with its
+        # backoff and its server's idle time in it.
         cmd = [str(BIN / "specsplit-edge"), "generate", "--server", server, "--draft", draft, "--mode", mode,
-               "--threads", str(threads), "--stats-json", str(stats), *extra, prompt]
+               "--threads", str(threads), "--retries", "0", "--stats-json", str(stats), *extra, prompt]
         proc = subprocess.run(cmd, stdout=None if stream else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               preexec_fn=pin(cores), env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         if proc.returncode != 0:

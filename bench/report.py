@@ -22,9 +22,10 @@ def _mode_rank(mode: str) -> tuple[int, int]:
     return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)), 0
 
 
-def _mean(xs) -> float:  # type: ignore[no-untyped-def]
+def _mean(xs) -> float | None:  # type: ignore[no-untyped-def]
+    """The mean of the figures given; None where there are none (a 0 would read as measured)."""
     xs = [x for x in xs if x is not None]
-    return statistics.fmean(xs) if xs else 0.0
+    return statistics.fmean(xs) if xs else None
 
 
 def _reference(runs: list[dict]) -> dict:
@@ -66,7 +67,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             "tokens": tokens,
             "tokens_per_s": _mean(r["tokens_per_s"] for r in g),
             "speedup_vs_none": _mean(ratios) if ratios else None,
-            "ttft_ms": _mean(r.get("ttft_s", 0) * 1000 for r in g) if mode not in ("draft", "hf-assisted") else None,
+            "ttft_ms": _mean(r["ttft_s"] * 1000 for r in g if r.get("ttft_s") is not None)
+            if mode not in ("draft", "hf-assisted") else None,
             "itl_p50_ms": _mean(r.get("itl_p50_ms") for r in g),
             "itl_p99_ms": _mean(r.get("itl_p99_ms") for r in g),
             # `none` drafts nothing: no acceptance to speak of, rather than a measured 0.
@@ -76,6 +78,7 @@ def summarize(runs: list[dict]) -> list[dict]:
             "drafts_wasted": sum(r.get("drafts_wasted", 0) for r in g),
             "rejections": sum(r.get("rejections", 0) for r in g),
             "branches_taken": sum(r.get("branches_taken", 0) for r in g),
+            "branch_tokens": sum(r.get("branch_drafted", 0) for r in g),
             "verifications": sum(r.get("verifications", 0) for r in g),
             "server_idle_fraction": _mean(r.get("server_idle_fraction") for r in g),
             "bytes_up_per_token": sum(r.get("bytes_up", 0) for r in g) / tokens if tokens else 0.0,
@@ -86,6 +89,13 @@ def summarize(runs: list[dict]) -> list[dict]:
         })
     out.sort(key=lambda s: (s["rtt_ms"] is None, s["rtt_ms"] or 0, _mode_rank(s["mode"])))
     return out
+
+
+def _mean_ratio(runs: list[dict], mode: str, other: str, rtt: float) -> float | None:
+    """The mean over prompts of `mode`'s tokens/s over `other`'s, at `rtt`."""
+    base = {r["prompt"]: r["tokens_per_s"] for r in runs if r["mode"] == other and r["rtt_ms"] == rtt}
+    return _mean(r["tokens_per_s"] / base[r["prompt"]] for r in runs
+                 if r["mode"] == mode and r["rtt_ms"] == rtt and base.get(r["prompt"]))
 
 
 def _per_token(runs: list[dict], key: str, tokens: int) -> float | None:
@@ -129,13 +139,13 @@ def timeline_chart(run: dict, delay_s: float, width_s: float = 12.0, step_s: flo
             end = t - delay_s
             paint(verify, end - verify_ms / 1000, end, "V")
             totals["verifying_s"] += verify_ms / 1000
-            paint(commit, t, t, str(min(n_tokens, 9)))
+            paint(commit, t, t, str(n_tokens) if n_tokens < 10 else "+")
     axis = "".join("|" if i % 10 == 0 else "." for i in range(cells))
     return "\n".join([
         f"time      {axis}  (one cell = {step_s * 1000:.0f} ms, '|' every second)",
         f"edge      {''.join(draft)}  D = drafting, b = drafting a branch",
         f"target    {''.join(verify)}  V = verifying this session",
-        f"commits   {''.join(commit)}  digit = tokens committed by a verdict arriving at the edge",
+        f"commits   {''.join(commit)}  digit = tokens committed by a verdict arriving at the edge (+: 10 or more)",
     ]), totals
 
 
@@ -150,7 +160,7 @@ def render_markdown(result: dict) -> str:
         f"draft {result['models']['draft']} (ONNX, {result['models']['draft_quantization']})",
         f"- network: {result['network']['how']}; RTT {', '.join(f'{r:g}' for r in result['network']['rtt_ms'])} ms; "
         f"bandwidth cap {format(result['network']['rate_mbit'], 'g') + ' Mbit/s each way' if result['network']['rate_mbit'] else 'none'}",
-        f"- greedy, {s['max_new_tokens']} new tokens, prompts: {', '.join(s['prompts'])}; async window {s['window']}; "
+        f"- greedy, up to {s['max_new_tokens']} new tokens, prompts: {', '.join(s['prompts'])}; async window {s['window']}; "
         f"server args: `{s['server_args'] or 'defaults'}`",
         f"- wall time of the run: {result['wall_s'] / 60:.1f} min"
         + (f" over {len(result['invocations'])} invocations" if len(result.get("invocations", [])) > 1 else ""),
@@ -158,11 +168,14 @@ def render_markdown(result: dict) -> str:
             f"- **incomplete**: {len(result['runs'])} runs measured so far; the missing ones are measured by the same "
             "command with `--resume`"]),
         "",
-        "Means over the prompt set; speedup is the mean of per-prompt ratios to `none` at the same RTT (for "
-        "the draft alone and HF assisted generation, which use no network, at the first RTT measured). ITL is "
-        "the gap between consecutive committed tokens (0 within one verdict). Per position: accepted drafts "
-        "over accepted drafts and rejections; wasted: drafted tokens thrown away by rollbacks; verifs: "
-        "verdicts; server idle: the share of the generation's time the target did not work for it; B up/down: "
+        "Means over the prompt set of each prompt's figure: tok/s, TTFT, ITL p50 and p99, acceptance, "
+        "accepted/verif and server idle; speedup is the mean of per-prompt ratios to `none` at the same RTT "
+        "(for the draft alone and HF assisted generation, which use no network, at the first RTT measured). "
+        "Totals over the prompt set: wasted and verifs. Pooled over it (a sum over a sum): per position, and "
+        "bytes per token. ITL is the gap between consecutive committed tokens (0 within one verdict). Per "
+        "position: accepted drafts over accepted drafts and rejections; wasted: drafts of the edge's line "
+        "thrown away by rollbacks or left at the end (tokens of branches not taken are not in it: the goal "
+        "section counts them); verifs: verdicts; server idle: the share of the generation's time the target did not work for it; B up/down: "
         "bytes of the gRPC messages per generated token (protobuf and gRPC's 5-byte prefix); wire B: what "
         "crossed the link per generated token, HTTP/2 framing, pings and window updates too (TCP/IP headers "
         "on top); identical: the output equals `none`'s. – where a figure does not apply (`none` "
@@ -195,9 +208,12 @@ def render_markdown(result: dict) -> str:
                 "",
                 "## Goal at RTT 50 ms",
                 "",
-                f"- async vs none: {_times(by['async']['speedup_vs_none'])} (goal 3.0x)",
+                f"- async vs none: {_times(by['async']['speedup_vs_none'])} (goal 3.0x; the mean of per-prompt "
+                f"ratios; the ratio of mean tokens/s: "
+                f"{_times(by['async']['tokens_per_s'] / by['none']['tokens_per_s'] if 'none' in by else None)})",
                 f"- async vs best sync ({best['mode']}): {by['async']['tokens_per_s'] / best['tokens_per_s']:.2f}x "
-                f"(goal 1.3x)",
+                f"(goal 1.3x; the ratio of mean tokens/s; the mean of per-prompt ratios: "
+                f"{_times(_mean_ratio(result['runs'], 'async', best['mode'], 50))})",
                 # A row without a comparison (no `none` output for its prompts) is no evidence.
                 f"- every output identical to none: {_fmt(all(r['identical'] is True for r in goal))}",
             ]
@@ -211,7 +227,8 @@ def render_markdown(result: dict) -> str:
                 # parts from the edge's later drafts where its bonus token differs from them.
                 lines.append(f"- async's rejections: {by['async']['rejections']}; verdicts that parted from the edge's "
                              f"drafts where it had a branch from their token, which it carried on along: "
-                             f"{by['async']['branches_taken']} (at a rejection, or past the drafts a pass verified)")
+                             f"{by['async']['branches_taken']} (at a rejection, or past the drafts a pass verified); "
+                             f"tokens drafted in branches: {by['async'].get('branch_tokens', 0)}")
     runs = [r for r in result["runs"] if r["mode"] == "async" and r.get("timeline")]
     if runs:
         pick = next((r for r in runs if r["rtt_ms"] == 50), runs[0])
@@ -223,7 +240,8 @@ def render_markdown(result: dict) -> str:
             f"Over the whole run ({pick['elapsed_s']:.1f} s): the edge drafted for {totals['drafting_s']:.1f} s "
             f"and drafted branches for {totals['branching_s']:.1f} s, the "
             f"target verified this session for {totals['verifying_s']:.1f} s; time to first token "
-            f"{pick['ttft_s'] * 1000:.0f} ms (the prompt's prefill and a round trip of the link).",
+            f"{_fmt(pick['ttft_s'] and pick['ttft_s'] * 1000, '.0f')} ms (connecting over the link, the prompt's "
+            "prefill with the first verification, and the way back).",
             "",
             "```",
             chart,

@@ -9,6 +9,13 @@ def save_report(out_dir: Path, name: str, report: dict, markdown: str) -> None:
     """Write NAME.json and NAME.md in `out_dir` (made where missing), and print the Markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # Suffixes added, not swapped: a NAME such as host-cost-1.5b keeps its whole name.
-    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out_dir / f"{name}.md").write_text(markdown)
+    write_whole(out_dir / f"{name}.json", json.dumps(report, indent=1) + "\n")
+    write_whole(out_dir / f"{name}.md", markdown)
     print(markdown)
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write `path` through a file beside it: a stop mid-write leaves the previous one whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -26,7 +26,7 @@ from orchestrate import machine, pin, run_edge, running_server, server_and_edge_
 from prompt_set import benchmark_prompts
 from report import render_markdown, summarize
 from runlog import RunLog, SettingsMismatch
-from serve_args import serve_args_problem
+from serve_args import serve_args_problem, serve_setting
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
@@ -121,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts: there are {len(all_prompts)} prompts, not {args.prompts}")
     if problem := serve_args_problem(args.server_args, OWN_SERVE_OPTIONS):
         p.error(f"--server-args: {problem}")
+    # The edge drafts no further than the server takes, whatever it is told: a run past that
+    # would be labelled as what it did not run.
+    lookahead = serve_setting(args.server_args, "max_lookahead")
+    if max(args.sync_k) > lookahead:
+        p.error(f"--sync-k {max(args.sync_k)} is past the server's --max-lookahead {lookahead}")
+    if args.window != "auto" and int(args.window) > lookahead:
+        p.error(f"--window {args.window} is past the server's --max-lookahead {lookahead}")
     args.rtt_ms = list(dict.fromkeys(args.rtt_ms))  # an RTT given twice is one group of runs
     args.sync_k = list(dict.fromkeys(args.sync_k))  # and a k given twice one mode
     async_args = async_window(args.window)

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from report_files import write_whole
+
 RunKey = tuple[str, float | None, str]  # (mode, rtt_ms or None for network-free modes, prompt id)
 
 
@@ -80,10 +82,8 @@ class RunLog:
         self.result["summary"] = self.summarize(self.result["runs"])
         partial, self.path = self.path, self.final if complete else self.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.result, indent=1) + "\n")
-        tmp.replace(self.path)  # a stop mid-write leaves the previous result whole
-        self.path.with_suffix(".md").write_text(self.render(self.result))
+        write_whole(self.path, json.dumps(self.result, indent=1) + "\n")
+        write_whole(self.path.with_suffix(".md"), self.render(self.result))
         if complete and partial != self.path:
             partial.unlink(missing_ok=True)
             partial.with_suffix(".md").unlink(missing_ok=True)

@@ -44,3 +44,10 @@ def serve_args_problem(server_args: list[str], own: tuple[str, ...]) -> str | No
 
 def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
+
+
+def serve_setting(server_args: list[str], name: str) -> object:
+    """The value serve takes for its option `name` (its dest) with `server_args` (checked by
+    serve_args_problem first): the value given, or serve's default."""
+    serve = build_parser().parse_args(["serve", "--target", PLACEHOLDER_TARGET]).command_parser
+    return getattr(serve.parse_args(["--target", PLACEHOLDER_TARGET, *server_args]), name)

@@ -114,6 +114,9 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     (["--name", "x", "--sync-k", "0"], "from 1 to 64"),  # found after the draft and HF runs
     (["--name", "x", "--sync-k", "100"], "from 1 to 64"),  # drafted as 64, labelled sync-100
     (["--name", "x", "--window", "0"], "a positive number or auto"),
+    # The edge drafts no further than the server takes: run at 64 (or 4), labelled 100 (or sync-8)
+    (["--name", "x", "--window", "100"], "--window 100 is past the server's --max-lookahead 64"),
+    (["--name", "x", "--sync-k", "8", "--server-args=--max-lookahead 4"], "--sync-k 8 is past the server's --max-lookahead 4"),
     # Found only when the server started, after the anchors had run for minutes.
     (["--name", "x", "--server-args=--bogus-flag"], "--server-args: unrecognized arguments: --bogus-flag"),
     (["--name", "x", "--server-args=--max-wait-ms soon"], "--server-args: argument --max-wait-ms"),

@@ -49,7 +49,7 @@ def test_none_drafts_nothing_and_a_row_without_a_comparison_is_no_evidence() -> 
     assert rows["sync-4"]["identical"] is True and rows["async"]["identical"] is None
     committed = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "quick.json").read_text())
     md = render_markdown({**committed, "runs": runs, "summary": list(rows.values())})
-    assert "| 50 | none | 1 | 1.00 | 1.00x | 0 | 0/0 | – | – | – |" in md  # its acceptance columns blank
+    assert "| 50 | none | 1 | 1.00 | 1.00x | – | –/– | – | – | – |" in md  # its acceptance columns blank
     assert "- every output identical to none: NO" in md
 
 
@@ -59,3 +59,38 @@ def test_wire_bytes_are_per_token_where_every_run_counted_them() -> None:
     assert (row["wire_bytes_up_per_token"], row["wire_bytes_down_per_token"]) == (50.0, 100.0)  # 16 tokens
     (older,) = summarize([counted[0], _run("b", 3, 1)])  # a run from before they were counted
     assert older["wire_bytes_up_per_token"] is None
+
+
+def test_a_figure_no_run_has_is_none_not_a_measured_zero() -> None:
+    """The draft alone has no verdicts, and a run that committed nothing no first token: the
+    JSON said 0 for the one, and summing the other raised TypeError, losing the run."""
+    draft = {"mode": "draft", "rtt_ms": None, "prompt": "a", "tokens": 8, "tokens_per_s": 20.0, "token_ids": [1]}
+    nothing = {**_run("a", 0, 0), "mode": "none", "ttft_s": None}
+    rows = {r["mode"]: r for r in summarize([draft, nothing])}
+    assert rows["draft"]["itl_p99_ms"] is None and rows["draft"]["server_idle_fraction"] is None
+    assert rows["none"]["ttft_ms"] is None
+
+
+def test_the_goal_says_how_each_ratio_is_taken() -> None:
+    """Per prompt, async runs 2x and 4x none (mean of ratios 3x) and 1x and 4x sync-4."""
+    from report import render_markdown
+
+    def run(mode: str, prompt: str, tps: float) -> dict:
+        return {**_run(prompt, 0, 0), "mode": mode, "tokens_per_s": tps}
+
+    runs = [run("none", "a", 1.0), run("none", "b", 1.0), run("async", "a", 2.0), run("async", "b", 4.0),
+            run("sync-4", "a", 2.0), run("sync-4", "b", 1.0)]
+    committed = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "quick.json").read_text())
+    md = render_markdown({**committed, "runs": runs, "summary": summarize(runs)})
+    assert "- async vs none: 3.00x (goal 3.0x; the mean of per-prompt ratios; the ratio of mean tokens/s: 3.00x)" in md
+    assert ("- async vs best sync (sync-4): 2.00x (goal 1.3x; the ratio of mean tokens/s; the mean of per-prompt "
+            "ratios: 2.50x)") in md
+
+
+def test_a_verdict_of_ten_tokens_or_more_is_not_drawn_as_nine() -> None:
+    from report import timeline_chart
+
+    chart, _ = timeline_chart({"timeline": [("verdict", 0.5, 0, 12, 11, 20.0, 11), ("verdict", 1.0, 12, 3, 2, 20.0, 2)]},
+                              0.0)
+    commits = next(line for line in chart.splitlines() if line.startswith("commits"))
+    assert commits.split()[1:3] == ["+", "3"]

@@ -117,3 +117,14 @@ def test_the_report_orders_any_sync_k_and_gives_the_cap_its_unit(tmp_path):
     assert "bandwidth cap 10 Mbit/s each way" in md
     draft_row = next(line for line in md.splitlines() if line.startswith("| n/a | draft |"))
     assert draft_row.endswith("| –/– |" + " – |" * 11)  # no 0% for what it has not
+
+
+def test_a_report_that_fails_mid_write_leaves_the_previous_one_whole(tmp_path) -> None:
+    """The Markdown was written in place: a stop (here, text that cannot be written) left it
+    cut, beside a JSON of another run."""
+    from report_files import save_report
+
+    save_report(tmp_path, "r", {"a": 1}, "old table\n")
+    with pytest.raises(UnicodeEncodeError):
+        save_report(tmp_path, "r", {"a": 2}, "new table \udcff\n")
+    assert (tmp_path / "r.md").read_text() == "old table\n"
