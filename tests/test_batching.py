@@ -728,13 +728,14 @@ class _EchoEngine(_BucketShapes):
         return [np.array([*it.drafts, 7]) for it in items]
 
 
-def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
-    async def main() -> None:
-        engine = _EchoEngine()
+def _timed_alone(engine: _EchoEngine, prompt: tuple[int, ...], model: str) -> tuple[list, list[int]]:
+    """One asynchronous session with `prompt`, run to its end on `engine`: the engine's passes,
+    and what the worker's cost model `model` (costs or pass_costs) was told of them."""
+    async def main() -> list[int]:
         worker = VerificationWorker(engine=engine, config=SchedulerConfig())  # type: ignore[arg-type]
         timed: list[int] = []
-        worker.costs.observe = lambda drafts, seconds: timed.append(drafts)  # type: ignore[method-assign]
-        h = _async_session(worker, "s", tuple(range(1, 41)))
+        getattr(worker, model).observe = lambda n, seconds: timed.append(n)
+        h = _async_session(worker, "s", prompt)
         runner = asyncio.create_task(worker.run())
         try:
             while h.session.done is None:  # a pass is timed before its verdict goes out
@@ -742,11 +743,16 @@ def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
         finally:
             runner.cancel()
             worker.close()
-        prefill, *steps = engine.passes
-        assert prefill == [(40, 0)] and steps
-        assert timed == [drafts for ((_, drafts),) in steps]  # every pass but the prefill
+        return timed
 
-    asyncio.run(main())
+    timed = asyncio.run(main())
+    return engine.passes, timed
+
+
+def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
+    (prefill, *steps), timed = _timed_alone(_EchoEngine(), tuple(range(1, 41)), "costs")
+    assert prefill == [(40, 0)] and steps
+    assert timed == [drafts for ((_, drafts),) in steps]  # every pass but the prefill
 
 
 class _SplittingEcho(_SplittingShapes, _EchoEngine):
@@ -757,24 +763,10 @@ def test_a_prompt_fed_in_passes_of_its_own_times_no_pass_of_the_last_one_s_shape
     """A 400-token prompt verified alone goes in 12 passes of 32 before its last one: their
     time was recorded as one 32-token pass's, 13 times what it costs, and every width the cut
     weighs was priced from it."""
-    async def main() -> None:
-        engine = _SplittingEcho()
-        worker = VerificationWorker(engine=engine, config=SchedulerConfig())  # type: ignore[arg-type]
-        timed: list[int] = []
-        worker.pass_costs.observe = lambda padded, seconds: timed.append(padded)  # type: ignore[method-assign]
-        h = _async_session(worker, "s", tuple(range(1, 401)))
-        runner = asyncio.create_task(worker.run())
-        try:
-            while h.session.done is None:
-                await asyncio.wait_for(h.outbox.get(), 5)
-        finally:
-            runner.cancel()
-            worker.close()
-        prefill, *steps = engine.passes
-        assert prefill == [(400, 0)] and steps
-        assert timed == [math.prod(engine.padded_shape(1, feed)) for ((feed, _),) in steps]  # every pass but the prefill
-
-    asyncio.run(main())
+    engine = _SplittingEcho()
+    (prefill, *steps), timed = _timed_alone(engine, tuple(range(1, 401)), "pass_costs")
+    assert prefill == [(400, 0)] and steps
+    assert timed == [math.prod(engine.padded_shape(1, feed)) for ((feed, _),) in steps]  # every pass but the prefill
 
 
 async def _until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
