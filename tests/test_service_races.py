@@ -282,3 +282,36 @@ def test_a_finished_resume_is_answered_by_a_full_or_draining_server() -> None:
 
     assert asyncio.run(answers(draining=False)) == ["opened", "done"]
     assert asyncio.run(answers(draining=True)) == ["opened", "done"]
+
+
+def test_a_session_whose_opened_waits_for_room_holds_its_place() -> None:
+    """The limit was checked before the Opened went into the outbox and the session into the
+    worker after: an edge that did not read held its Open's place nowhere while that put
+    waited, and another Open took it too, one more session than the server's caches."""
+    async def main() -> list:
+        worker = Worker()
+        svc = service.SpecSplitService(worker, ServerLimits(vocab_size=100, max_context=100),  # type: ignore[arg-type]
+                                       ServeConfig(max_sessions=1), ServerMetrics())
+
+        async def one_open():  # type: ignore[no-untyped-def]
+            yield OPEN
+            await asyncio.sleep(60)
+
+        full: asyncio.Queue = asyncio.Queue(maxsize=1)
+        full.put_nowait("an earlier generation's Done, unread")
+        stalled = asyncio.create_task(svc._read(one_open(), service.ServerConnection(svc.limits, "a"), full,
+                                                asyncio.current_task()))  # type: ignore[arg-type]
+        for _ in range(5):
+            await asyncio.sleep(0)  # it waits to put its Opened
+        outbox: asyncio.Queue = asyncio.Queue()
+        second = asyncio.create_task(svc._read(one_open(), service.ServerConnection(svc.limits, "b"), outbox,
+                                               asyncio.current_task()))  # type: ignore[arg-type]
+        first = await asyncio.wait_for(outbox.get(), 5)
+        full.get_nowait()  # the first edge reads again: its session goes into the worker
+        for _ in range(5):
+            await asyncio.sleep(0)
+        for task in (stalled, second):
+            task.cancel()
+        return [type(first).__name__, len(worker.sessions)]
+
+    assert asyncio.run(main()) == ["ServerBusy", 1]

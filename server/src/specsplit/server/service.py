@@ -58,6 +58,9 @@ class SpecSplitService:
         self.cfg = cfg
         self.metrics = metrics
         self.draining = False
+        # Sessions admitted whose Opened waits for room in their outbox (an edge not reading),
+        # not yet in the worker: their places under --max-sessions are taken all the same.
+        self.admitting = 0
         # Set once the drain ends the sessions left: an edge that goes away before then went
         # away (and is logged so), not cut off by the shutdown.
         self.cutting = False
@@ -94,17 +97,22 @@ class SpecSplitService:
                 # A resumed generation that is already over (its Done was lost) is answered
                 # here and now: it takes no cache and no place, so a full or draining server
                 # need not send it away to retry for nothing.
-                if opening and not conn.idle:
+                admitted = opening and not conn.idle
+                if admitted:
                     if self.draining:
                         self.metrics.sessions_refused.labels("draining").inc()
                         raise errors.ServerDraining("server is shutting down; open the session on another server")
-                    if self.worker.held() >= self.cfg.max_sessions:
+                    if self.worker.held() + self.admitting >= self.cfg.max_sessions:
                         self.metrics.sessions_refused.labels("full").inc()
                         raise errors.ServerBusy(
                             f"server holds its limit of {self.cfg.max_sessions} sessions; retry later"
                         )
-                for item in out:
-                    await outbox.put(item)
+                    self.admitting += 1
+                try:
+                    for item in out:
+                        await outbox.put(item)
+                finally:
+                    self.admitting -= admitted
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
                     pace = PaceLog.for_next(pace, time.monotonic())
