@@ -672,3 +672,22 @@ def test_a_load_generator_for_a_running_server_needs_only_the_edge_packages(tiny
     report = json.loads((tmp_path / "light.json").read_text())
     assert report["summary"]["errors"]["total"] == 0 and report["summary"]["mismatched_outputs"] == 0
     assert [len(report["results"][m]) for m in ("none", "sim", "onnx")] == [1, 1, 1]
+
+
+def test_latencies_and_acceptance_are_sampled_within_the_measured_window() -> None:
+    """Tokens were counted in the window, their latencies over whole generations: the drain
+    after the deadline (a third of a point's tokens, with ever fewer sessions beside them)
+    and a warm-up's burst made the percentiles and alpha of another load."""
+    from specsplit.edge.client import GenerationResult
+    from specsplit.edge.stats import GenerationStats
+    from loadtest.sessions import _record
+
+    times = [0.5, 1.2, 1.5, 2.5, 3.5]  # seconds after the generation's start, 100; the window is 101 to 103
+    timeline = [("verdict", t, i, 1, accepted, 1.0, 2) for i, (t, accepted) in enumerate(zip(times, [2, 2, 1, 0, 2]))]
+    result = GenerationResult([1] * 5, GenerationStats(mode="async", ttft_s=0.5, opened_s=0.3), None, times, timeline)
+    record = _record(result, (1,) * 5, started=100.0, opens=101.0, deadline=103.0)
+    assert record.itl_ms == pytest.approx([700.0, 300.0, 1000.0])  # the gaps that end at 1.2, 1.5 and 2.5
+    assert record.verdict_interval_ms == pytest.approx([700.0, 300.0, 1000.0])
+    assert (record.acceptance.accepted, record.acceptance.proposed, record.acceptance.rejections) == (3, 6, 2)
+    assert record.ttft_s is None and record.opened_s is None  # before the window opened
+    assert record.tokens_in_window == 3

@@ -362,6 +362,9 @@ def test_sparse_q_needs_valid_distributions() -> None:
         s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((2, 3), (0.5, 0.5)),)))  # token not in it
     with pytest.raises(errors.MalformedDraft):
         s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((1, 3), (0.9, 0.9)),)))  # sums over 1
+    # The top of a larger distribution, as it stood: accepted too often, the output biased (was: taken)
+    with pytest.raises(errors.MalformedDraft, match="sum to 0.6000, not 1"):
+        s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((1, 3), (0.36, 0.24)),)))
     with pytest.raises(errors.MalformedDraft, match="twice"):
         s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((1, 3, 1), (0.4, 0.2, 0.3)),)))  # 1 named twice
     assert s.receive_draft(DraftChunk(3, (1,), parent, (SparseDist((1, 3), (0.6, 0.4)),))) == 1

@@ -199,7 +199,7 @@ def render_markdown(report: dict, name: str) -> str:
            else "(the tokens it committed over the time it spent generating them)")
         + " and no errors; a mode's sweep stops at its first point that misses it"
         + (f"; each point ran {s['repeats']} times and meets it only if every run does, its "
-           "figures those of the run with the slowest session" if s.get("repeats", 1) > 1 else ""),
+           "figures those of a run that missed it, else of the run with the slowest session" if s.get("repeats", 1) > 1 else ""),
         "- session tok/s: min and median over sessions; server tok/s: "
         + ("tokens committed in the measured window / its length" if s["duration_s"] is not None
            else "tokens committed / the point's time, from the first start to the last Done"),
@@ -209,7 +209,8 @@ def render_markdown(report: dict, name: str) -> str:
         "- ITL: gaps between consecutive committed tokens (the tokens of one verdict share its time: gap 0); "
         "verdict latency: from sending a draft chunk to the verdict that commits its first position; "
         "alpha: per-position acceptance measured at the edges (accepted / (accepted + rejections); – where the "
-        "server verified no drafts)",
+        "server verified no drafts); these and TTFT are sampled within the measured window, each where it ends "
+        "(a first token, the later of a gap's tokens, a verdict)",
         "- loop lag: how late the server's event loop ran a timer due every 50 ms, mean / the histogram bucket its "
         "p99 lies under; every call, message and verdict waits about that long in the loop",
         "- batch: mean sessions per target pass; pass: mean target pass time; loop lag: see above; these cover "

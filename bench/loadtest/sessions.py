@@ -145,20 +145,27 @@ def committed_between(started: float, commit_times: list[float], opens: float, c
 
 def _record(result: GenerationResult, reference: tuple[int, ...], started: float, opens: float,
             deadline: float | None) -> GenerationRecord:
+    # The measured window in the generation's own times: its latencies and acceptance are
+    # sampled there, as its tokens are counted, not in a warm-up's burst or the drain after.
+    window = (opens - started, math.inf if deadline is None else deadline - started)
+
+    def inside(t: float | None) -> float | None:
+        return t if t is not None and window[0] <= t <= window[1] else None
+
     return GenerationRecord(
         tokens=len(result.tokens),
         elapsed_s=result.stats.elapsed_s,
         tokens_in_window=committed_between(started, result.commit_times, opens, deadline),
         matches_reference=tuple(result.tokens) == reference,
-        ttft_s=result.stats.ttft_s,
-        itl_ms=itl_ms(result.commit_times),
-        verdict_latency_ms=verdict_latency_ms(result.timeline),
-        verdict_interval_ms=verdict_interval_ms(result.timeline),
-        acceptance=acceptance(result.timeline),
+        ttft_s=inside(result.stats.ttft_s),
+        itl_ms=itl_ms(result.commit_times, window),
+        verdict_latency_ms=verdict_latency_ms(result.timeline, window),
+        verdict_interval_ms=verdict_interval_ms(result.timeline, window),
+        acceptance=acceptance(result.timeline, window),
         drafts_made=result.stats.drafts_made,
         drafts_wasted=result.stats.drafts_wasted,
         branches_taken=result.stats.branches_taken,
-        opened_s=result.stats.opened_s,
+        opened_s=inside(result.stats.opened_s),
         started_at=started,
     )
 

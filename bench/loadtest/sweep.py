@@ -96,8 +96,9 @@ def meets_slo(point: dict, slo: float) -> bool:
 
 
 def repeated_point(runs: list[dict], slo: float) -> dict:
-    """One point from its runs: the figures of the run whose slowest session was slowest,
-    every run's errors and mismatches, each run's headline figures, and whether all met the SLO."""
+    """One point from its runs: the figures of a run that missed the SLO (its slowest session
+    slowest among them), else of the run whose slowest session was slowest; every run's errors
+    and mismatches, each run's headline figures, and whether all met the SLO."""
     met = [meets_slo(r, slo) for r in runs]
     worst = min(range(len(runs)), key=lambda i: (met[i], runs[i]["session_tok_s"]["min"]))  # a missing run first
     point = dict(runs[worst])

@@ -8,6 +8,7 @@ generation started, the same clock as the commit times.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,17 +17,26 @@ import numpy as np
 from specsplit.common.acceptance import observed_acceptance
 
 
-def itl_ms(commit_times: Sequence[float]) -> list[float]:
+ALWAYS = (-math.inf, math.inf)
+
+
+def _inside(t: float, window: tuple[float, float]) -> bool:
+    return window[0] <= t <= window[1]
+
+
+def itl_ms(commit_times: Sequence[float], window: tuple[float, float] = ALWAYS) -> list[float]:
     """Gaps between consecutive committed tokens, as the client's stats count them:
-    tokens of one verdict share its time, so a verdict of k tokens adds k - 1 zero gaps."""
-    return (np.diff(commit_times) * 1000).tolist() if len(commit_times) > 1 else []
+    tokens of one verdict share its time, so a verdict of k tokens adds k - 1 zero gaps.
+    Only gaps that end within `window` (times as commit_times count them), as each sample
+    below is taken when it ends."""
+    return [(b - a) * 1000 for a, b in zip(commit_times, commit_times[1:]) if _inside(b, window)]
 
 
 def _verdicts(timeline: Sequence[tuple]) -> list[tuple]:
     return [e for e in timeline if e[0] == "verdict"]
 
 
-def verdict_latency_ms(timeline: Sequence[tuple]) -> list[float]:
+def verdict_latency_ms(timeline: Sequence[tuple], window: tuple[float, float] = ALWAYS) -> list[float]:
     """For each draft chunk sent: the time until the verdict that commits the chunk's
     first position (accepting or correcting it). Chunks whose first position the
     generation never reached (it ended first) have none."""
@@ -38,15 +48,15 @@ def verdict_latency_ms(timeline: Sequence[tuple]) -> list[float]:
             continue
         _, sent, position, _ = event
         i = bisect.bisect_right(ends, position)
-        if i < len(verdicts) and verdicts[i][2] <= position and verdicts[i][1] >= sent:
+        if i < len(verdicts) and verdicts[i][2] <= position and verdicts[i][1] >= sent and _inside(verdicts[i][1], window):
             out.append((verdicts[i][1] - sent) * 1000)
     return out
 
 
-def verdict_interval_ms(timeline: Sequence[tuple]) -> list[float]:
+def verdict_interval_ms(timeline: Sequence[tuple], window: tuple[float, float] = ALWAYS) -> list[float]:
     """Time between consecutive verdicts of the generation."""
     times = [v[1] for v in _verdicts(timeline)]
-    return (np.diff(times) * 1000).tolist() if len(times) > 1 else []
+    return [(b - a) * 1000 for a, b in zip(times, times[1:]) if _inside(b, window)]
 
 
 @dataclass(frozen=True)
@@ -67,9 +77,11 @@ class Acceptance:
         return observed_acceptance(self.accepted, self.rejections)
 
 
-def acceptance(timeline: Sequence[tuple]) -> Acceptance:
+def acceptance(timeline: Sequence[tuple], window: tuple[float, float] = ALWAYS) -> Acceptance:
     total = Acceptance()
     for v in _verdicts(timeline):
+        if not _inside(v[1], window):
+            continue
         accepted, proposed = v[4], v[6]
         total += Acceptance(accepted, proposed, int(accepted < proposed))
     return total

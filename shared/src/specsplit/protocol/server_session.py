@@ -229,8 +229,11 @@ class ServerSession:
             raise errors.MalformedDraft("a draft distribution names a token id twice")
         if not all(math.isfinite(p) and 0.0 < p <= 1.0 for p in dist.probs):
             raise errors.MalformedDraft("draft probabilities must lie in (0, 1]")
-        if sum(dist.probs) > 1.0 + 1e-3:
-            raise errors.MalformedDraft(f"draft probabilities sum to {sum(dist.probs):.4f} > 1")
+        # The distribution the draft was drawn from, whole: the accept test and the residual take
+        # q as it is, so the top of a larger one sent as it stood (summing below 1) would be
+        # accepted too often, its output biased without a word.
+        if abs(sum(dist.probs) - 1.0) > 1e-3:
+            raise errors.MalformedDraft(f"draft probabilities sum to {sum(dist.probs):.4f}, not 1")
         if dist.prob_of(token) <= 0.0:
             raise errors.MalformedDraft(f"draft token {token} is missing from its own distribution")
 
