@@ -122,10 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     if problem := serve_args_problem(args.server_args, OWN_SERVE_OPTIONS):
         p.error(f"--server-args: {problem}")
     # The edge drafts no further than the server takes, whatever it is told: a run past that
-    # would be labelled as what it did not run.
+    # would be labelled as what it did not run. Nor does the server verify more at once than its
+    # --max-verify-tokens: a sync round past that is verified in parts, the next sent before
+    # the last is settled, which is not the classic scheme.
     lookahead = serve_setting(args.server_args, "max_lookahead")
-    if max(args.sync_k) > lookahead:
-        p.error(f"--sync-k {max(args.sync_k)} is past the server's --max-lookahead {lookahead}")
+    verify = serve_setting(args.server_args, "max_verify_tokens")
+    for limit, flag in ((lookahead, "--max-lookahead"), (verify, "--max-verify-tokens")):
+        if max(args.sync_k) > limit:
+            p.error(f"--sync-k {max(args.sync_k)} is past the server's {flag} {limit}")
     if args.window != "auto" and int(args.window) > lookahead:
         p.error(f"--window {args.window} is past the server's --max-lookahead {lookahead}")
     args.rtt_ms = list(dict.fromkeys(args.rtt_ms))  # an RTT given twice is one group of runs

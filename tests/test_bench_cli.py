@@ -117,6 +117,7 @@ def test_the_load_test_refuses_a_file_as_its_output_directory(tmp_path, capsys) 
     # The edge drafts no further than the server takes: run at 64 (or 4), labelled 100 (or sync-8)
     (["--name", "x", "--window", "100"], "--window 100 is past the server's --max-lookahead 64"),
     (["--name", "x", "--sync-k", "8", "--server-args=--max-lookahead 4"], "--sync-k 8 is past the server's --max-lookahead 4"),
+    (["--name", "x", "--sync-k", "32"], "--sync-k 32 is past the server's --max-verify-tokens 24"),  # verified in parts
     # Found only when the server started, after the anchors had run for minutes.
     (["--name", "x", "--server-args=--bogus-flag"], "--server-args: unrecognized arguments: --bogus-flag"),
     (["--name", "x", "--server-args=--max-wait-ms soon"], "--server-args: argument --max-wait-ms"),
