@@ -280,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion of PROMPT (or of each line of --prompts-file)",
                        epilog="A bearer token for servers that require one is read from $SPECSPLIT_TOKEN. Exit "
                        "status: 0 done; 1 the server refused the generation, or lost it with the retries spent, or "
-                       "prompts of --prompts-file failed, or writing the answer failed; 2 bad arguments, files or draft export, or a server that "
-                       "broke the protocol; 130 interrupted; 141 the reader of standard output went away.")
+                       "prompts of --prompts-file failed, or writing the answer failed; 2 bad arguments, files or "
+                       "draft export, or a server that broke the protocol; 130 interrupted; 141 the reader of "
+                       "standard output went away.")
     g.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt (or give --prompts-file)")
     g.add_argument("--prompts-file", metavar="FILE",
                    help="instead of PROMPT: generate for each line of FILE in turn ('-': standard input, a line "

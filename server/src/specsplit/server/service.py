@@ -112,7 +112,8 @@ class SpecSplitService:
                     for item in out:
                         await outbox.put(item)
                 finally:
-                    self.admitting -= admitted
+                    if admitted:
+                        self.admitting -= 1
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
                     pace = PaceLog.for_next(pace, time.monotonic())
