@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a short docstring.
 DEMO_TOKENS ?= 128
 
-.PHONY: venv test test-oldest demo models bench bench-quick bench-rtt50 bench-replay soak loadtest proto clean
+.PHONY: venv test test-oldest test-oldest-edge demo models bench bench-quick bench-rtt50 bench-replay soak loadtest proto clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,19 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pip install $(TORCH) $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(OLDEST_VENV)/bin/python -m pip install -c constraints-oldest.txt -e 'shared[test]' -e edge -e server
 	$(OLDEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+# The edge at the oldest ONNX Runtime, tokenizers, numpy and jinja2 its pyproject.toml admits
+# (constraints-oldest-edge.txt), in a venv of its own without torch, as on a board: the same
+# token ids, drafts and logits as the main venv's, from the same tiny fp32 and int4 exports
+# (tests/edge_floors.py). test-oldest cannot: the server's higher floors win in its one venv.
+OLDEST_EDGE_VENV ?= .venv-oldest-edge
+EDGE_FLOORS_DIR ?= .edge-floors
+test-oldest-edge: $(STAMP)
+	$(OLDEST_PYTHON) -m venv $(OLDEST_EDGE_VENV)
+	$(OLDEST_EDGE_VENV)/bin/python -m pip install -c constraints-oldest-edge.txt -e shared -e edge
+	rm -rf $(EDGE_FLOORS_DIR)
+	$(PY) tests/edge_floors.py record $(EDGE_FLOORS_DIR)
+	$(OLDEST_EDGE_VENV)/bin/python tests/edge_floors.py check $(EDGE_FLOORS_DIR)
 
 # Pull and prepare the default models into the cache (~/.cache/specsplit).
 models: $(STAMP)
