@@ -49,7 +49,7 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
     start = time.monotonic()
 
     async def worker(i: int) -> None:
-        nonlocal done, tokens
+        nonlocal done, tokens, lost
         drafter = OnnxDrafter(draft_dir)
         modes = ["async", "sync", "none"]
         n = 0
@@ -65,6 +65,9 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
                     tokens += len(r.tokens)
                 except GENERATION_FAILURES as exc:  # what a soak is for: counted, not raised
                     errors[status_name(exc)] += 1
+                    # A failure may be the server gone. The sampler looks every SAMPLE_S, and a
+                    # killed server that it found still tearing down failed 200 calls meanwhile.
+                    lost = lost or exited(proc.pid)
                     await asyncio.sleep(ERROR_PAUSE_S)
                 n += 1
             if stream is not None:
