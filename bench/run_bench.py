@@ -26,7 +26,7 @@ from orchestrate import machine, pin, run_edge, running_server, server_and_edge_
 from prompt_set import benchmark_prompts
 from report import render_markdown, summarize
 from runlog import RunLog, SettingsMismatch
-from serve_args import serve_args_problem, serve_setting
+from serve_args import serve_args_problem, serve_settings
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     # would be labelled as what it did not run. Nor does the server verify more at once than its
     # --max-verify-tokens: a sync round past that is verified in parts, the next sent before
     # the last is settled, which is not the classic scheme.
-    lookahead = serve_setting(args.server_args, "max_lookahead")
-    verify = serve_setting(args.server_args, "max_verify_tokens")
-    for limit, flag in ((lookahead, "--max-lookahead"), (verify, "--max-verify-tokens")):
+    serve = serve_settings(args.server_args)
+    lookahead = serve.max_lookahead
+    for limit, flag in ((lookahead, "--max-lookahead"), (serve.max_verify_tokens, "--max-verify-tokens")):
         if max(args.sync_k) > limit:
             p.error(f"--sync-k {max(args.sync_k)} is past the server's {flag} {limit}")
     if args.window != "auto" and int(args.window) > lookahead:

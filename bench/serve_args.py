@@ -24,13 +24,11 @@ def serve_args_problem(server_args: list[str], own: tuple[str, ...]) -> str | No
         return "--help prints serve's help instead of serving"
     # Each own option starts as UNSET, which argparse keeps unless the option is given; --target,
     # which serve requires, is given here first, so that one in `server_args` replaces it.
-    # (serve's own parser: the top level's copies a subcommand's defaults over the namespace.)
-    serve = build_parser().parse_args(["serve", "--target", PLACEHOLDER_TARGET]).command_parser
     given = argparse.Namespace(**{_dest(flag): UNSET for flag in own if flag != "--target"})
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            serve.parse_args(["--target", PLACEHOLDER_TARGET, *server_args], namespace=given)
+            _serve_parser().parse_args(["--target", PLACEHOLDER_TARGET, *server_args], namespace=given)
     except SystemExit as exit_:
         if exit_.code == 0:  # an abbreviated --help
             return "--help prints serve's help instead of serving"
@@ -46,8 +44,12 @@ def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def serve_setting(server_args: list[str], name: str) -> object:
-    """The value serve takes for its option `name` (its dest) with `server_args` (checked by
-    serve_args_problem first): the value given, or serve's default."""
-    serve = build_parser().parse_args(["serve", "--target", PLACEHOLDER_TARGET]).command_parser
-    return getattr(serve.parse_args(["--target", PLACEHOLDER_TARGET, *server_args]), name)
+def serve_settings(server_args: list[str]) -> argparse.Namespace:
+    """The settings serve takes with `server_args` (checked by serve_args_problem first): those
+    given, and serve's defaults."""
+    return _serve_parser().parse_args(["--target", PLACEHOLDER_TARGET, *server_args])
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    # serve's own parser: the top level's copies a subcommand's defaults over the namespace.
+    return build_parser().parse_args(["serve", "--target", PLACEHOLDER_TARGET]).command_parser

@@ -232,8 +232,8 @@ class ServerSession:
         # The distribution the draft was drawn from, whole: the accept test and the residual take
         # q as it is, so the top of a larger one sent as it stood (summing below 1) would be
         # accepted too often, its output biased without a word.
-        if abs(sum(dist.probs) - 1.0) > 1e-3:
-            raise errors.MalformedDraft(f"draft probabilities sum to {sum(dist.probs):.4f}, not 1")
+        if abs((total := sum(dist.probs)) - 1.0) > 1e-3:
+            raise errors.MalformedDraft(f"draft probabilities sum to {total:.4f}, not 1")
         if dist.prob_of(token) <= 0.0:
             raise errors.MalformedDraft(f"draft token {token} is missing from its own distribution")
 
