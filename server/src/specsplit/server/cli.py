@@ -172,6 +172,7 @@ def _models(args: argparse.Namespace) -> int:
     import json
 
     from specsplit.server import models
+    from specsplit.server.export import ExportParityError
     from specsplit.server.loading import MissingWeights, UnreadableModel
 
     root = Path(args.cache_dir) if args.cache_dir else models.cache_dir()
@@ -187,7 +188,7 @@ def _models(args: argparse.Namespace) -> int:
     except (OSError, MissingWeights, UnreadableModel, models.TokenizerMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (models.DownloadError, models.ChecksumError) as exc:
+    except (models.DownloadError, models.ChecksumError, ExportParityError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:

