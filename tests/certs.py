@@ -22,7 +22,10 @@ def _write(path: Path, key, cert) -> None:  # type: ignore[no-untyped-def]
     path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
-def make_pki(directory: Path) -> dict[str, Path]:
+def make_pki(directory: Path, server_from: datetime.timedelta = datetime.timedelta(minutes=-5),
+             server_until: datetime.timedelta = datetime.timedelta(days=1)) -> dict[str, Path]:
+    """The CA, a server and a client certificate; the server's valid from now + `server_from`
+    until now + `server_until`."""
     now = datetime.datetime.now(datetime.timezone.utc)
     valid = dict(not_valid_before=now - datetime.timedelta(minutes=5), not_valid_after=now + datetime.timedelta(days=1))
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -35,9 +38,10 @@ def make_pki(directory: Path) -> dict[str, Path]:
     _write(directory / "ca", ca_key, ca)
     for role, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
         key = ec.generate_private_key(ec.SECP256R1())
+        dates = valid if role == "client" else dict(not_valid_before=now + server_from, not_valid_after=now + server_until)
         builder = (
             x509.CertificateBuilder(subject_name=_name(f"specsplit {role}"), issuer_name=ca.subject,
-                                    public_key=key.public_key(), serial_number=x509.random_serial_number(), **valid)
+                                    public_key=key.public_key(), serial_number=x509.random_serial_number(), **dates)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )
         if role == "server":

@@ -3,6 +3,7 @@ TLS and tokens, metrics, shutdown, server loss. Real server processes, tiny mode
 from __future__ import annotations
 
 import asyncio
+import datetime
 import logging
 import os
 import re
@@ -17,7 +18,7 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from certs import make_pki
 from conftest import free_port, launch_server
@@ -833,7 +834,9 @@ def test_a_token_server_takes_any_case_of_bearer_and_keeps_only_the_health_check
 
     tokens = tmp_path / "tokens"
     tokens.write_text("pi-kitchen 0123456789abcdef0123\n")
-    with launch_server(tiny.target_dir, tmp_path / "s.log", "--tokens-file", str(tokens)) as (address, _):
+    # On every address, without TLS: the tokens cross the network in the clear, and the log says so.
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--tokens-file", str(tokens), "--host", "0.0.0.0") \
+            as (address, _):
         with grpc.insecure_channel(address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
@@ -852,3 +855,36 @@ def test_a_token_server_takes_any_case_of_bearer_and_keeps_only_the_health_check
             code, _ = raw_stream(address, [open_msg(PROMPT, max_new=2)], timeout=20,
                                  metadata=[("authorization", "Basic 0123456789abcdef0123")])
             assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert "device tokens cross the network in the clear: 0.0.0.0:" in (tmp_path / "s.log").read_text()
+
+
+@pytest.mark.parametrize("dates", ["expired", "not-yet-valid"])
+def test_a_server_certificate_outside_its_dates_is_named_on_both_sides(tmp_path, capsys, dates) -> None:
+    """OpenSSL loads such a certificate without a word: the server started, every handshake
+    failed with nothing in its log, and the edge's hint blamed its CA or the host name."""
+    from concurrent import futures
+
+    from specsplit.common.tls import client_credentials, tls_hint
+
+    span = (datetime.timedelta(days=-10), datetime.timedelta(days=-1)) if dates == "expired" else \
+        (datetime.timedelta(days=1), datetime.timedelta(days=10))
+    pki = make_pki(tmp_path, *span)
+    crt, key, ca = (str(pki[r].with_suffix(s)) for r, s in (("server", ".crt"), ("server", ".key"), ("ca", ".crt")))
+    assert server_cli.main(["serve", "--target", "/no/such/model", "--port", "0", "--tls-cert", crt,
+                            "--tls-key", key]) == 2
+    said = "expired on" if dates == "expired" else "is valid only from"
+    assert f"--tls-cert {crt} {said}" in capsys.readouterr().err
+    # The edge's side, against a server that serves it anyway.
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(Path(key).read_bytes(),
+                                                                                Path(crt).read_bytes())]))
+    server.start()
+    try:
+        with grpc.secure_channel(f"127.0.0.1:{port}", client_credentials(ca, None, None)) as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    finally:
+        server.stop(None)
+    hint = tls_hint(failed.value.details(), tls=True, client_cert=False, address_flag="--server")
+    assert "the server's certificate is outside its dates" in hint, failed.value.details()

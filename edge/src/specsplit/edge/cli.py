@@ -9,7 +9,6 @@ import argparse  # noqa: E402
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import json
 import logging
 import os
@@ -21,7 +20,7 @@ from typing import TextIO
 
 import grpc
 
-from specsplit.common.address import check_host_port, check_unix
+from specsplit.common.address import check_host_port, check_unix, is_loopback
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 from specsplit.common.tls import client_credentials, tls_hint
 from specsplit.edge.branching import MIN_CHANCE
@@ -474,15 +473,7 @@ def _utf8(text: str) -> bool:
 
 def _loopback(server: str) -> bool:
     """Whether `server` is on this machine: a loopback address or a unix socket."""
-    if server.startswith(("unix:", "unix-abstract:")):
-        return True
-    host = server.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return server.startswith(("unix:", "unix-abstract:")) or is_loopback(server.rpartition(":")[0])
 
 
 def _stdout_failed(cause: BaseException) -> int:

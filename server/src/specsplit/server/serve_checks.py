@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from datetime import datetime, timezone
 from pathlib import Path
 
 from specsplit.common.tls import check_given, check_pem
@@ -72,6 +73,25 @@ def _configs(args: argparse.Namespace, tls: TLSConfig | None,
     return sched, cfg
 
 
+def check_dates(cert: str, now: datetime | None = None) -> None:
+    """ValueError unless the --tls-cert certificate is within its dates by this machine's
+    clock. OpenSSL loads one outside them without a word, and then every client's handshake
+    fails, with nothing in the server's log. (A file that is not a regular file is left to
+    gRPC, as check_pem leaves it: it can be read only once.)"""
+    if not Path(cert).is_file():
+        return
+    from cryptography import x509
+
+    certificate = x509.load_pem_x509_certificate(Path(cert).read_bytes())  # the first: the server's own
+    now = now or datetime.now(timezone.utc)
+    if now > certificate.not_valid_after_utc:
+        raise ValueError(f"--tls-cert {cert} expired on {certificate.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: "
+                         "every client's handshake would fail; give a current certificate")
+    if now < certificate.not_valid_before_utc:
+        raise ValueError(f"--tls-cert {cert} is valid only from {certificate.not_valid_before_utc:%Y-%m-%d %H:%M} UTC "
+                         f"(this machine's clock says {now:%Y-%m-%d %H:%M} UTC): clients would refuse it until then")
+
+
 def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeConfig]:
     """The configs `serve` runs with; ValueError (or OSError, for files and ports) naming the
     first setting it cannot run with. A --tokens-file is read here, once: a pipe can be read
@@ -98,6 +118,7 @@ def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeCo
     tls = None
     if args.tls_cert:
         check_pem(args.tls_cert, args.tls_key, args.tls_client_ca, ca_flag="--tls-client-ca")
+        check_dates(args.tls_cert)
         tls = TLSConfig(Path(args.tls_cert), Path(args.tls_key), Path(args.tls_client_ca) if args.tls_client_ca else None)
     tokens = load_tokens(Path(args.tokens_file)) if args.tokens_file is not None else None  # errors name the line
     sched, cfg = _configs(args, tls, tokens)

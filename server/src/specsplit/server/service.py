@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specsplit.common.address import bracketed
+from specsplit.common.address import bracketed, is_loopback
 from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Close, Done, Opened, OpenRequest, ServerLimits, Verdict
@@ -377,6 +377,10 @@ async def serve(
         f"; metrics on http://{bracketed(metrics_host)}:{cfg.metrics_port}/metrics"
         if cfg.metrics_port is not None else "",
     )
+    if cfg.tokens is not None and cfg.tls is None and not is_loopback(cfg.host):
+        # The edge warns of the same; a load generator or library client does not.
+        log.warning("device tokens cross the network in the clear: %s serves without TLS, so anyone on the path "
+                    "can read a token and use it (give --tls-cert and --tls-key)", address)
     if ready is not None:
         ready.set()
     try:

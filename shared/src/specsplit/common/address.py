@@ -36,3 +36,15 @@ def bracketed(host: str) -> str:
     """`host` as it stands before :PORT: an IPv6 address in brackets (once), others as they are."""
     bare = host.strip("[]")
     return f"[{bare}]" if ":" in bare else bare
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name, or an address bare or in brackets) is this machine's loopback:
+    what is sent to or served on it does not cross a network."""
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare.partition("%")[0]).is_loopback
+    except ValueError:
+        return False

@@ -98,6 +98,9 @@ def tls_hint(details: str, tls: bool, client_cert: bool, address_flag: str) -> s
     if handshake_failed(details):
         if "WRONG_VERSION_NUMBER" in details:
             return "\n(the server does not seem to speak TLS: leave out --tls, --tls-ca, --tls-cert and --tls-key)"
+        if "certificate has expired" in details or "certificate is not yet valid" in details:
+            return ("\n(the server's certificate is outside its dates by this machine's clock: the server needs a "
+                    "current certificate, or this machine's clock is wrong)")
         return ("\n(the TLS handshake failed: --tls-ca must hold the CA that signed the server's certificate, "
                 f"and the certificate must name the host in {address_flag}, or --tls-server-name)")
     if "Socket closed" in details:
