@@ -171,7 +171,16 @@ class Network:
             return
         task = s.next_task(budget)
         assert task is not None
-        self.down.extend(s.apply(task, *task_logits(s, task)))
+        before = s.rejections
+        events = s.apply(task, *task_logits(s, task))
+        verdict = events[0]
+        assert isinstance(verdict, Verdict)
+        # A rejection where fewer drafts were taken than looked at, one more where a branch
+        # the verdict followed had its own; each counted in the session's total.
+        followed = s.branch_verified is not None
+        assert int(verdict.accepted < verdict.proposed) <= verdict.rejected <= 1 + followed
+        assert s.rejections - before == verdict.rejected
+        self.down.extend(events)
 
     def next_generation(self, prompt: list[int], max_new: int, stale: int) -> None:
         """The edge's next generation on the same stream, once the last is Done: `stale`

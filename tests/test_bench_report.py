@@ -11,7 +11,8 @@ from specsplit.protocol.messages import Verdict
 
 
 def _verdict(accepted: int, proposed: int) -> Verdict:
-    return Verdict(start=0, tokens=(1,) * (accepted + 1), accepted=accepted, proposed=proposed, candidate_tip=0)
+    return Verdict(start=0, tokens=(1,) * (accepted + 1), accepted=accepted, proposed=proposed, candidate_tip=0,
+                   rejected=int(accepted < proposed))
 
 
 def test_the_edge_counts_verifications_that_stopped_at_a_rejection() -> None:
@@ -90,7 +91,7 @@ def test_the_goal_says_how_each_ratio_is_taken() -> None:
 def test_a_verdict_of_ten_tokens_or_more_is_not_drawn_as_nine() -> None:
     from report import timeline_chart
 
-    chart, _ = timeline_chart({"timeline": [("verdict", 0.5, 0, 12, 11, 20.0, 11), ("verdict", 1.0, 12, 3, 2, 20.0, 2)]},
+    chart, _ = timeline_chart({"timeline": [("verdict", 0.5, 0, 12, 11, 20.0, 11, 0), ("verdict", 1.0, 12, 3, 2, 20.0, 2, 0)]},
                               0.0)
     commits = next(line for line in chart.splitlines() if line.startswith("commits"))
     assert commits.split()[1:3] == ["+", "3"]

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from specsplit.edge.branching import MIN_CHANCE, DraftChoice, choose_branch, draft_choice
+from specsplit.edge.stats import GenerationStats
 from specsplit.protocol import errors
 from specsplit.protocol.edge_session import EdgeSession
 from specsplit.protocol.hashing import HashedSequence
@@ -44,6 +45,12 @@ def test_a_branch_is_verified_in_the_same_pass_as_the_draft_it_stands_beside() -
     # and the row after them gives the correction: five tokens from one pass.
     assert verdict.tokens == tuple(right[:5]) and verdict.accepted == 3 and verdict.proposed == 8
     assert s.branches_verified == s.branches_taken == 1 and s.candidates == [] and verdict.branch_tokens == 0
+    # Two drafts were wrong, the candidate at 4 and the branch's at 7: a per-position acceptance
+    # counts both (it counted one, as accepted < proposed, and read high wherever branches were used).
+    assert verdict.rejected == 2 and s.rejections == 2
+    stats = GenerationStats("async")
+    stats.add_verdict(verdict, 0.1)
+    assert stats.rejections == 2
     assert e.apply_verdict(verdict) == 4
     assert e.tokens == [*PROMPT, *right[:5]] and e.branches_taken == 1 and e.branch is None
 

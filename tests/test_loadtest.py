@@ -683,7 +683,8 @@ def test_latencies_and_acceptance_are_sampled_within_the_measured_window() -> No
     from loadtest.sessions import _record
 
     times = [0.5, 1.2, 1.5, 2.5, 3.5]  # seconds after the generation's start, 100; the window is 101 to 103
-    timeline = [("verdict", t, i, 1, accepted, 1.0, 2) for i, (t, accepted) in enumerate(zip(times, [2, 2, 1, 0, 2]))]
+    timeline = [("verdict", t, i, 1, accepted, 1.0, 2, int(accepted < 2))
+                for i, (t, accepted) in enumerate(zip(times, [2, 2, 1, 0, 2]))]
     result = GenerationResult([1] * 5, GenerationStats(mode="async", ttft_s=0.5, opened_s=0.3), None, times, timeline)
     record = _record(result, (1,) * 5, started=100.0, opens=101.0, deadline=103.0)
     assert record.itl_ms == pytest.approx([700.0, 300.0, 1000.0])  # the gaps that end at 1.2, 1.5 and 2.5

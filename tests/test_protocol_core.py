@@ -437,3 +437,19 @@ def test_a_done_reason_this_side_does_not_know_is_a_protocol_error() -> None:
     assert known.reason is DoneReason.EOS
     with pytest.raises(errors.ProtocolError, match="unknown done reason 99"):
         codec.server_from_pb(pb.ServerMessage(done=pb.Done(reason=99, committed_length=3)))
+
+
+def test_a_verdicts_rejections_cross_the_wire_and_an_older_servers_are_inferred() -> None:
+    """Verdict.rejected counts a followed branch's rejection too; a server older than the field
+    sends none, and the edge counts as it did, one where fewer drafts were taken than looked at."""
+    from specsplit.protocol import codec
+    from specsplit.v1 import specsplit_pb2 as pb
+
+    two = Verdict(start=3, tokens=(1, 2, 3), accepted=1, proposed=5, candidate_tip=6, rejected=2)
+    assert codec.server_from_pb(codec.server_to_pb(two)) == two
+    none = Verdict(start=3, tokens=(1, 2), accepted=1, proposed=1, candidate_tip=5, rejected=0)
+    assert codec.server_from_pb(codec.server_to_pb(none)) == none
+    for accepted, proposed, inferred in ((1, 3, 1), (2, 2, 0), (0, 0, 0)):
+        older = pb.ServerMessage(verdict=pb.Verdict(start=3, tokens=[1] * (accepted + 1), accepted=accepted,
+                                                    proposed=proposed, candidate_tip=5))
+        assert codec.server_from_pb(older).rejected == inferred

@@ -2,7 +2,7 @@
 commit times and its timeline (EdgeConfig(timeline=True)).
 
 Timeline events (edge client): ("send", t, chunk_start, n_tokens) and
-("verdict", t, start, n_tokens, accepted, verify_ms, proposed); t in seconds since the
+("verdict", t, start, n_tokens, accepted, verify_ms, proposed, rejected); t in seconds since the
 generation started, the same clock as the commit times.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def verdict_interval_ms(timeline: Sequence[tuple], window: tuple[float, float] =
 class Acceptance:
     accepted: int = 0  # drafts the target accepted
     proposed: int = 0  # drafts it verified (after a rejection, the rest of the task counts too)
-    rejections: int = 0  # verifications that stopped at a wrong draft
+    rejections: int = 0  # drafts rejected (Verdict.rejected)
 
     def __add__(self, other: Acceptance) -> Acceptance:
         return Acceptance(self.accepted + other.accepted, self.proposed + other.proposed,
@@ -82,8 +82,7 @@ def acceptance(timeline: Sequence[tuple], window: tuple[float, float] = ALWAYS) 
     for v in _verdicts(timeline):
         if not _inside(v[1], window):
             continue
-        accepted, proposed = v[4], v[6]
-        total += Acceptance(accepted, proposed, int(accepted < proposed))
+        total += Acceptance(v[4], v[6], v[7])
     return total
 
 

@@ -255,7 +255,8 @@ class Attempt:
                 if self.cfg.mode == "async":
                     edge.window = self._lookahead()
                 self.commit_times.extend([now] * len(event.tokens))
-                self._mark("verdict", now, event.start, len(event.tokens), event.accepted, event.verify_ms, event.proposed)
+                self._mark("verdict", now, event.start, len(event.tokens), event.accepted, event.verify_ms, event.proposed,
+                           event.rejected)
                 if self.on_commit is not None:
                     try:
                         self.on_commit(edge.generated)

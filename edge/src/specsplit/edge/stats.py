@@ -24,7 +24,7 @@ class GenerationStats:
     drafts_proposed: int = 0  # drafts the server verified
     drafts_accepted: int = 0
     acceptance_rate: float = 0.0  # accepted / proposed: counts the drafts a verification took past its rejection
-    rejections: int = 0  # verifications that stopped at a rejected draft
+    rejections: int = 0  # drafts rejected: where a verification stopped, and where a branch it followed did
     # accepted / (accepted + rejections): how often a draft is right where the one before it
     # was, the per-position acceptance a simulated edge's alpha stands for
     acceptance_per_position: float = 0.0
@@ -51,7 +51,7 @@ class GenerationStats:
         self.verifications += 1
         self.drafts_proposed += v.proposed
         self.drafts_accepted += v.accepted
-        self.rejections += v.accepted < v.proposed
+        self.rejections += v.rejected
 
     def add_drafting(self, edge: EdgeSession) -> None:
         """Count an attempt's drafting (a retry's attempt drafts on a session of its own)."""

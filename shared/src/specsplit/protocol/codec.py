@@ -105,6 +105,7 @@ def server_to_pb(event: ServerEvent) -> pb.ServerMessage:
                 drafts_dropped=event.drafts_dropped,
                 verify_ms=event.verify_ms,
                 branch_tokens=event.branch_tokens,
+                rejected=event.rejected,
             )
         )
     if isinstance(event, Done):
@@ -139,6 +140,8 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
             drafts_dropped=v.drafts_dropped,
             verify_ms=v.verify_ms,
             branch_tokens=v.branch_tokens,
+            # An older server sends none: one rejection where it took fewer drafts than it looked at.
+            rejected=v.rejected if v.HasField("rejected") else int(v.accepted < v.proposed),
         )
     if kind == "done":
         # A reason from a newer server is the server's break of this edge's protocol, as an

@@ -142,6 +142,10 @@ class Verdict:
     verify_ms: float = 0.0  # filled in by the transport, which owns the clock
     # The verdict moved the candidates onto the edge's branch: this many of them past the committed tokens.
     branch_tokens: int = 0
+    # How many of tokens stand where a draft was rejected: the candidates' and a followed
+    # branch's own (0 to 2). What a per-position acceptance counts: accepted < proposed
+    # misses the branch's.
+    rejected: int = 0
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class ServerSession:
         self.drafts_received = 0  # tokens of drafts, branches not counted
         self.drafts_dropped = 0
         self.drafts_accepted = 0
-        self.rejections = 0  # verifications that stopped at a rejected draft
+        self.rejections = 0  # drafts rejected: where a verification stopped, and where a branch it followed did
         # (position, first token) -> (parent hash, tokens): alternatives waiting for a correction
         self._branches: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}
         self.branches_taken = 0  # verdicts that moved the candidates onto a branch
@@ -355,6 +355,9 @@ class ServerSession:
         outcome = verify(logits, task.drafts, task.start, sampling, self.mode, task.dists)
         new = [*task.drafts[: outcome.accepted], outcome.token]
         drafted = [True] * outcome.accepted + [False]  # which new tokens are accepted drafts
+        # which new tokens stand where a draft was rejected (the others are accepted drafts, or
+        # the target's token past the last draft)
+        rejected = [False] * outcome.accepted + [outcome.accepted < len(task.drafts)]
         offered = len(task.drafts)
         for i, (branch, rows) in enumerate(zip(task.branches, branch_logits)):
             if branch.at == task.start + outcome.accepted and branch.tokens[0] == outcome.token:
@@ -364,6 +367,7 @@ class ServerSession:
                 more = verify(rows, branch.tokens[1:], branch.at + 1, sampling, self.mode)
                 new += [*branch.tokens[1 : 1 + more.accepted], more.token]
                 drafted += [True] * more.accepted + [False]
+                rejected += [False] * more.accepted + [more.accepted < len(branch.tokens) - 1]
                 offered += len(branch.tokens) - 1
                 self.branches_verified += 1
                 self.branch_verified = i
@@ -371,6 +375,7 @@ class ServerSession:
         cut, reason = self._termination(new)
         new = new[:cut]
         accepted = sum(drafted[:cut])
+        rejections = sum(rejected[:cut])  # drafts past an ending were never in question
         # Drafts past an ending were never in question; all others were.
         considered = offered if reason is None else min(offered, cut)
         switched = self._follow_branch(new)
@@ -378,8 +383,7 @@ class ServerSession:
         self._line.commit(new)
         self.verifications += 1
         self.drafts_accepted += accepted
-        if accepted < considered:
-            self.rejections += 1
+        self.rejections += rejections
         for key in [k for k in self._branches if k[0] < self.committed_len]:
             del self._branches[key]  # their chance has passed
         events: list[Verdict | Done] = [
@@ -393,6 +397,7 @@ class ServerSession:
                 chunks_received=self.chunks_received,
                 drafts_dropped=self.drafts_dropped,
                 branch_tokens=self.candidate_count if switched and reason is None else 0,
+                rejected=rejections,
             )
         ]
         if reason is not None:

@@ -129,7 +129,7 @@ class Opened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., target_model: _Optional[str] = ..., max_context: _Optional[int] = ..., max_lookahead: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("start", "tokens", "accepted", "proposed", "candidate_tip", "verifications", "chunks_received", "drafts_dropped", "verify_ms", "branch_tokens")
+    __slots__ = ("start", "tokens", "accepted", "proposed", "candidate_tip", "verifications", "chunks_received", "drafts_dropped", "verify_ms", "branch_tokens", "rejected")
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class Verdict(_message.Message):
     DRAFTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
@@ -150,7 +151,8 @@ class Verdict(_message.Message):
     drafts_dropped: int
     verify_ms: float
     branch_tokens: int
-    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., proposed: _Optional[int] = ..., candidate_tip: _Optional[int] = ..., verifications: _Optional[int] = ..., chunks_received: _Optional[int] = ..., drafts_dropped: _Optional[int] = ..., verify_ms: _Optional[float] = ..., branch_tokens: _Optional[int] = ...) -> None: ...
+    rejected: int
+    def __init__(self, start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., proposed: _Optional[int] = ..., candidate_tip: _Optional[int] = ..., verifications: _Optional[int] = ..., chunks_received: _Optional[int] = ..., drafts_dropped: _Optional[int] = ..., verify_ms: _Optional[float] = ..., branch_tokens: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("reason", "committed_length", "target_busy_s")
