@@ -1032,3 +1032,28 @@ def test_branches_are_verified_beside_their_drafts_and_change_no_output(tiny) ->
             if verified > 0:
                 break
     assert verified > 0, f"no branch verified in {BRANCH_ROUNDS} rounds"
+
+
+def test_a_sliding_window_target_verifies_no_branches_and_the_static_engine_refuses_it(tiny, tmp_path,
+                                                                                       capsys) -> None:
+    """A pass with branches hands the model one mask, which every layer takes: sliding-window
+    layers attended past their window, and drafts' rows as well as branches' came out wrong
+    (by 4 in logits on a window of 16). The static engine failed its warm-up with a KeyError."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from specsplit.server import cli as server_cli
+    from tiny_models import build_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "sliding")
+    build_tokenizer().save_pretrained(tmp_path / "sliding")
+    loaded = load_model(str(tmp_path / "sliding"), dtype="fp32")
+    assert "sliding_attention" in loaded.model.config.layer_types
+    assert not TargetEngine(loaded).verifies_branches
+    assert TargetEngine(load_model(str(tiny.target_dir), dtype="fp32")).verifies_branches
+    assert server_cli.main(["serve", "--target", str(tmp_path / "sliding"), "--engine", "static", "--dtype", "fp32",
+                            "--port", "0"]) == 2
+    assert "the static engine has no sliding-window attention" in capsys.readouterr().err

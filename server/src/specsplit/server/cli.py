@@ -75,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         return _refuse(args, str(exc))
     import torch
 
-    from specsplit.server.engine import TargetEngine, warm_up
+    from specsplit.server.engine import TargetEngine, attends_in_windows, warm_up
     from specsplit.server.listeners import BindError
     from specsplit.server.loading import load_model
     from specsplit.server.progress_log import ProgressLog
@@ -118,6 +118,9 @@ def _serve(args: argparse.Namespace) -> int:
         from specsplit.server.cpu_linear import use_mlas_linears
 
         log.info("ONNX Runtime linears: %d layers", use_mlas_linears(loaded.model))
+    if args.engine == "static" and attends_in_windows(loaded.model.config):
+        return _refuse(args, f"the static engine has no sliding-window attention, which {args.target} uses: "
+                             "serve it with --engine dynamic")
     if args.engine == "static":
         t0 = time.monotonic()
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len, fuse=args.fuse,
@@ -136,6 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
                                   progress=ProgressLog(log, "captured CUDA graphs"))
     else:
         engine = TargetEngine(loaded, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+        if not engine.verifies_branches:
+            log.info("the target attends over sliding windows: edges' branches are left unverified")
     t0 = time.monotonic()
     warm_up(engine)
     log.info("warmed up in %.1f s", time.monotonic() - t0)

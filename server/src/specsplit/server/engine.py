@@ -156,6 +156,13 @@ class Engine(Protocol):
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]: ...
 
 
+def attends_in_windows(config: object) -> bool:
+    """Whether some of the model's layers attend over a sliding window (Mistral, Gemma 2, a
+    Qwen2 with use_sliding_window), which transformers builds its own masks for."""
+    return getattr(config, "sliding_window", None) is not None or \
+        "sliding_attention" in (getattr(config, "layer_types", None) or ())
+
+
 class TargetEngine:
     def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = 0) -> None:
         """`prefix_cache_bytes`: memory for prompts' keys and values that later sessions whose
@@ -164,6 +171,9 @@ class TargetEngine:
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        # A pass with branches gives the model one mask of its own (_tree_mask), which every
+        # layer then takes: sliding-window layers would attend past their window.
+        self.verifies_branches = not attends_in_windows(self.model.config)
 
     def new_state(self, prompt: Sequence[int] = ()) -> KVState:
         state = KVState()
@@ -180,7 +190,6 @@ class TargetEngine:
     def pass_shape(self, items: Sequence[VerifyItem]) -> tuple[int, int]:
         return self.padded_shape(len(items), max(it.feed_length for it in items))
 
-    verifies_branches = True
     split_width = 0  # a session's cache grows by one pass at a time
 
     @property
