@@ -173,6 +173,8 @@ RICH_TEMPLATE = (
     "{% else %}<{{ m.role }}>{{ m.content | tojson }}{% endif %}{% endfor %}"
     "{{ {'naïve': 'café <b>'} | tojson(indent=1) }}{{ strftime_now('%Y') }}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
+    # Undefined is not none: transformers passes tools and documents, as None where there are none.
+    "{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
 )
 
 

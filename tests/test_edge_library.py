@@ -459,3 +459,15 @@ def test_drafts_a_verdict_left_unsent_go_out_though_the_window_is_full() -> None
     first, *again = received
     assert (first.start, first.tokens) == (3, tuple(want[3:7]))  # up to the draft end
     assert [(chunk.start, chunk.tokens) for chunk in again] == [(4, tuple(want[4:7]))]
+
+
+def test_threads_0_is_one_per_core_the_process_may_run_on(tiny, monkeypatch) -> None:
+    """ONNX Runtime's own default (0) starts a thread per core of the machine, however few the
+    process may run on: two on one core under taskset, four in a one-CPU container on a Pi."""
+    from specsplit.edge import drafter as drafter_mod
+
+    monkeypatch.setattr(drafter_mod.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert OnnxDrafter(tiny.draft_dir, threads=0)._session.get_session_options().intra_op_num_threads == 1
+    monkeypatch.setattr(drafter_mod.os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert OnnxDrafter(tiny.draft_dir, threads=0)._session.get_session_options().intra_op_num_threads == 3
+    assert OnnxDrafter(tiny.draft_dir, threads=2)._session.get_session_options().intra_op_num_threads == 2

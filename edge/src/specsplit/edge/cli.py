@@ -324,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async, greedy: how many branches may be open beside the drafts at once "
                    "(default %(default)s; 0: none)")
     g.add_argument("--threads", type=int, default=1,
-                   help="ONNX Runtime threads for the drafter (0: ONNX Runtime's default, one per core; default %(default)s)")
+                   help="ONNX Runtime threads for the drafter (0: one per core this process may run on, as "
+                        "taskset or a container's cpuset allow; default %(default)s)")
     g.add_argument("--stop-id", type=int, action="append", default=[],
                    help=f"extra stop token id (repeatable, at most {MAX_STOP_IDS})")
     g.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")

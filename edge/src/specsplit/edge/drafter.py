@@ -14,6 +14,7 @@ that was a padded branch does not carry it through the rest of the generation.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,6 +95,15 @@ def _read_only(logits: np.ndarray) -> np.ndarray:
     return logits
 
 
+def allowed_cores() -> int:
+    """The cores this process may run on (taskset, a container's cpuset): what ONNX Runtime's
+    own default (0) ignores, starting a thread for every core of the machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 class OnnxDrafter:
     # The main line, its branches, and the old line a rollback of any forks off: with one
     # fewer, a rollback of one line pushed another's cache out, and it was fed again whole.
@@ -103,7 +113,7 @@ class OnnxDrafter:
         self.directory = Path(directory)
         self.meta = DraftExportMeta.load(self.directory)
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
+        opts.intra_op_num_threads = threads or allowed_cores()
         opts.inter_op_num_threads = 1
         model = self.directory / MODEL_FILE
         if not model.is_file():

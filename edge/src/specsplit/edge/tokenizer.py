@@ -111,8 +111,10 @@ class EdgeTokenizer:
         if isinstance(self._template, str):
             raise ValueError(self._template)
         try:
-            return self._template.render(messages=[{"role": "user", "content": user_text}],
-                                         add_generation_prompt=True, **self._special)
+            # tools and documents as transformers passes them where there are none: a template's
+            # "tools is not none" is true of an undefined one.
+            return self._template.render(messages=[{"role": "user", "content": user_text}], tools=None,
+                                         documents=None, add_generation_prompt=True, **self._special)
         except TemplateError as exc:  # raise_exception's ValueError, which says so itself, passes as it is
             raise ValueError(f"{TEMPLATE_FAILED} ({exc})") from None
 
