@@ -332,3 +332,26 @@ def test_a_token_sent_in_the_clear_is_warned_of(tmp_path, capsys, monkeypatch, s
     err = capsys.readouterr().err
     assert ("$SPECSPLIT_TOKEN goes to the server in the clear" in err) == warned, err
     assert "s3cret" not in err
+
+
+def test_text_that_changes_under_what_was_printed_still_streams_to_the_end() -> None:
+    """A byte-fallback tokenizer (Llama 2, Mistral, Gemma) decodes a run of byte tokens that
+    proves not to be UTF-8 as replacement characters, one per byte, a character already
+    printed among them: "a€" became "a����b", which does not start with it, and nothing more
+    was printed, in the stream or at the end."""
+    import io
+
+    from specsplit.edge.cli import TextStream
+
+    decoded = {1: "a€", 2: "a€\ufffd", 3: "a\ufffd\ufffd\ufffd\ufffdb", 4: "a\ufffd\ufffd\ufffd\ufffdb and the rest"}
+
+    class ByteFallback:
+        def decode(self, ids: list[int]) -> str:
+            return decoded[len(ids)]
+
+    out = io.StringIO()
+    shown = TextStream(ByteFallback(), out)  # type: ignore[arg-type]
+    for n in range(1, 5):
+        shown([0] * n)
+    assert out.getvalue() == "a€\ufffd\ufffd\ufffd\ufffdb and the rest"
+    assert shown.unshown(decoded[4] + ".") == "."

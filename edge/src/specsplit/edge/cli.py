@@ -58,11 +58,19 @@ class TextStream:
         text = self.tokenizer.decode(generated)
         if text.endswith("\ufffd"):
             return
-        if text.startswith(self.printed) and len(text) > len(self.printed):
-            self.out.write(text[len(self.printed) :])
+        if new := self.unshown(text):
+            self.out.write(new)
             self.out.flush()
             self.printed = text
             self.mid_line = not text.endswith("\n")
+
+    def unshown(self, text: str) -> str:
+        """What of `text` has not been printed: what follows the part it shares with the text
+        printed. That is all of it past the printed text, except where the text changed under
+        it: a byte-fallback tokenizer decodes a run of bytes that proves not to be UTF-8 as
+        replacement characters, one a character already printed. Then the rest follows from
+        where they part (the changed character shows twice), rather than never."""
+        return text[len(os.path.commonprefix([self.printed, text])) :]
 
     def end_line(self) -> None:
         """End the line of text shown so far, if one is open."""
@@ -262,8 +270,8 @@ def _report(result: GenerationResult, line: int | None, prompt: str, tokenizer: 
         if args.json:
             print(json.dumps(record), flush=True)
         else:
-            if shown is not None and final.startswith(shown.printed):
-                sys.stdout.write(final[len(shown.printed) :])
+            if shown is not None:
+                sys.stdout.write(shown.unshown(final))
             print(flush=True)
     except (OSError, UnicodeEncodeError) as exc:
         raise StdoutFailed() from exc
