@@ -355,3 +355,15 @@ def test_text_that_changes_under_what_was_printed_still_streams_to_the_end() -> 
         shown([0] * n)
     assert out.getvalue() == "a€\ufffd\ufffd\ufffd\ufffdb and the rest"
     assert shown.unshown(decoded[4] + ".") == "."
+
+
+def test_a_draft_model_deeper_than_its_metadata_says_is_one_error_line(tiny, tmp_path, capsys) -> None:
+    """The model of a deeper export (the target's own) beside the draft's metadata: it loaded,
+    and failed at the first draft step, once the server had opened the session."""
+    deeper = _broken_export(tiny, tmp_path, "deeper-model",
+                            lambda e: shutil.copy(tiny.same_dir / "model.onnx", e / "model.onnx"))
+    assert json.loads((tiny.same_dir / "specsplit.json").read_text())["num_layers"] > \
+        json.loads((tiny.draft_dir / "specsplit.json").read_text())["num_layers"]
+    assert main(["generate", "--server", "127.0.0.1:1", "--draft", deeper, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "takes inputs its specsplit.json does not describe (past_key_values." in err and err.count("\n") == 1, err

@@ -124,9 +124,13 @@ class OnnxDrafter:
             raise ValueError(f"ONNX Runtime cannot load {model} ({type(exc).__name__}: {exc}); "
                              "a truncated copy? export the draft again") from None
         self._past_names = past_names(self.meta.num_layers)
-        expected = {*INPUTS, *self._past_names}
-        if missing := sorted(expected - {i.name for i in self._session.get_inputs()}):
+        expected, taken = {*INPUTS, *self._past_names}, {i.name for i in self._session.get_inputs()}
+        # Either way the first draft step fails, once the server has opened the session.
+        if missing := sorted(expected - taken):
             raise ValueError(f"{model} does not take the inputs its {META_FILE} describes (no {', '.join(missing[:3])}): "
+                             "its model and metadata come from different exports")
+        if extra := sorted(taken - expected):
+            raise ValueError(f"{model} takes inputs its {META_FILE} does not describe ({', '.join(extra[:3])}): "
                              "its model and metadata come from different exports")
         self._check_cache_shape(model)
         self._caches: list[_Cache] = []  # least recently used first
