@@ -154,3 +154,22 @@ def test_metrics_are_served_on_every_address_of_their_host(monkeypatch) -> None:
             assert b"specsplit_" in reply.read(), url
     with pytest.raises(BindError, match="could not serve the metrics on no-such-host.invalid"):
         ServerMetrics().serve(free_port(), "no-such-host.invalid")
+
+
+def test_metrics_refuse_an_address_of_their_host_that_another_process_holds(monkeypatch) -> None:
+    """An address of the host taken since the start's check was passed over where another
+    address could be served: a scraper of it found nothing, or another process's metrics."""
+    real = socket.getaddrinfo
+
+    def two(host, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host == "two.test":
+            return [*real("127.0.0.1", *args, **kwargs), *real("127.0.0.2", *args, **kwargs)]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", two)
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.2", port))
+        taken.listen()
+        with pytest.raises(BindError, match=f"could not serve the metrics on 127.0.0.2:{port}: Address already in use"):
+            ServerMetrics().serve(port, "two.test")

@@ -888,3 +888,19 @@ def test_a_server_certificate_outside_its_dates_is_named_on_both_sides(tmp_path,
         server.stop(None)
     hint = tls_hint(failed.value.details(), tls=True, client_cert=False, address_flag="--server")
     assert "the server's certificate is outside its dates" in hint, failed.value.details()
+
+
+def test_tls_files_gone_while_the_model_loaded_are_one_error_line(tiny, tmp_path) -> None:
+    """They are read again at the bind, after the model's load: a file moved meanwhile was a
+    traceback, not the one line a port that cannot be bound gets."""
+    from specsplit.server.config import SchedulerConfig, ServeConfig, TLSConfig
+    from specsplit.server.engine import TargetEngine
+    from specsplit.server.listeners import BindError
+    from specsplit.server.loading import load_model
+    from specsplit.server.service import serve
+
+    pki = make_pki(tmp_path)
+    gone = TLSConfig(tmp_path / "moved.crt", pki["server"].with_suffix(".key"))
+    engine = TargetEngine(load_model(str(tiny.target_dir)))
+    with pytest.raises(BindError, match="cannot read the TLS files to serve with: .*moved.crt"):
+        asyncio.run(asyncio.wait_for(serve(engine, SchedulerConfig(), ServeConfig(port=free_port(), tls=gone)), 30))

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server (prometheus-client), served on their own port."""
 from __future__ import annotations
 
+import errno
 import socket
 
 from prometheus_client import (
@@ -119,7 +120,12 @@ class ServerMetrics:
             try:
                 start_http_server(port, addr=address, registry=self.registry)
                 served += 1
-            except OSError as exc:  # (an address of a family this machine has off, say)
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # a family this machine has off
+                    # Taken since the start's check, say: a scraper of that address would find
+                    # nothing, or another process's metrics.
+                    raise BindError(f"could not serve the metrics on {bracketed(address)}:{port}: "
+                                    f"{exc.strerror or exc}") from None
                 failed = exc
         if not served:
             raise BindError(f"could not serve the metrics on {where}: {failed}")

@@ -22,7 +22,7 @@ from specsplit.server.auth import BearerTokenInterceptor, bearer_token
 from specsplit.server.config import OUTBOX_ROOM, SchedulerConfig, ServeConfig
 from specsplit.server.engine import Engine
 from specsplit.server.idle_streams import GRACE_S, Evicted, IdleStreams, TrimTimer
-from specsplit.server.listeners import MAX_MESSAGE_BYTES, bind_listeners
+from specsplit.server.listeners import MAX_MESSAGE_BYTES, BindError, bind_listeners
 from specsplit.server.log_throttle import LogThrottle, client_of
 from specsplit.server.loop_lag import watch_loop_lag
 from specsplit.server.metrics import ServerMetrics
@@ -333,8 +333,11 @@ async def serve(
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
-    servers, port = bind_listeners(cfg.listeners, cfg.host, cfg.port, register, options, interceptors,
-                                   cfg.tls.credentials() if cfg.tls else None)
+    try:  # read again now, after the model's load: a file moved or made unreadable meanwhile
+        credentials = cfg.tls.credentials() if cfg.tls else None
+    except OSError as exc:
+        raise BindError(f"cannot read the TLS files to serve with: {exc}") from None
+    servers, port = bind_listeners(cfg.listeners, cfg.host, cfg.port, register, options, interceptors, credentials)
     address = f"{bracketed(cfg.host)}:{port}"
     metrics_host = cfg.metrics_host or cfg.host
     if cfg.metrics_port is not None:
