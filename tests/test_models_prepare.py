@@ -86,6 +86,9 @@ def test_a_missing_source_is_refused_before_anything_is_pulled(tmp_path, monkeyp
         models.prepare(root=tmp_path, draft_source="./missing.gguf")
     with pytest.raises(KeyError, match="unknown model pair"):
         models.prepare("no-such-pair", root=tmp_path)
+    (tmp_path / "not-a-model").mkdir()  # read only at the end, after the draft's pull and export
+    with pytest.raises(FileNotFoundError, match="--target .*not-a-model holds no config.json"):
+        models.prepare(root=tmp_path, target_source=str(tmp_path / "not-a-model"))
 
 
 def test_loading_and_preparing_read_a_source_by_one_rule(tiny, tmp_path, monkeypatch) -> None:

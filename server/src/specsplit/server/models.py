@@ -406,6 +406,10 @@ def prepare(
     draft_spec, target_spec = _specs(pair)
     target_source = None if target_source is None else local_source(target_source, "--target")
     draft_source = None if draft_source is None else local_source(draft_source, "--draft")
+    if target_source is not None and Path(target_source).is_dir() and not (Path(target_source) / "config.json").is_file():
+        # Served as it is, it is read only at the end, after the draft's pull and export.
+        raise FileNotFoundError(f"--target {target_source} holds no config.json: give a Hugging Face model "
+                                "directory or a GGUF file")
     root = root or cache_dir()
     with cache_lock(root):
         return _prepare(draft_spec, target_spec, root, target_source, draft_source, draft_quantize)
