@@ -103,4 +103,4 @@ loadtest: $(STAMP)
 		--duration 8 --max-new-tokens 64 --alpha 0.7 --slo 20 --server-arg=--pace-tokens-per-s=22
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV)
+	rm -rf $(VENV) $(OLDEST_VENV) $(OLDEST_EDGE_VENV) $(EDGE_FLOORS_DIR)
