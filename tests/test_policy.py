@@ -254,3 +254,15 @@ def test_with_one_size_timed_every_size_costs_what_it_cost() -> None:
     costs = PassCostModel()
     costs.observe(8, 0.02)
     assert costs.cost(1) == costs.cost(8) == costs.cost(32) == 0.02
+
+
+def test_a_pass_timed_at_zero_leaves_every_plan_finite() -> None:
+    """A clock that ticks coarsely times a pass at 0: plan and choose_drafts divided by it, and
+    the worker's pick failed with ZeroDivisionError, taking the server down."""
+    costs = PassCostModel()
+    costs.observe(1, 0.0)
+    costs.observe(4, 0.01)
+    assert costs.cost(1) > 0
+    drafts, wait = plan(3, 8, 0.8, costs, 10.0, 0.5)
+    assert 0 <= drafts <= 8 and wait >= 0
+    assert 0 <= choose_drafts(3, 8, 0.8, costs) <= 8

@@ -25,6 +25,9 @@ def expected_tokens(n: int, alpha: float) -> float:
     return (1.0 - alpha ** (n + 1)) / (1.0 - alpha)
 
 
+MIN_PASS_S = 1e-6  # the least a pass is taken to cost (PassCostModel.observe)
+
+
 class PassCostModel:
     """Exponentially weighted pass time per number of drafts, interpolated between sizes seen."""
 
@@ -36,6 +39,9 @@ class PassCostModel:
         self._memo: dict[int, float] = {}
 
     def observe(self, n: int, seconds: float) -> None:
+        # A clock that ticks coarsely (15.6 ms on some systems) times a pass at 0, and every
+        # plan divides by a cost: the worker would fail on the next pick, and the server with it.
+        seconds = max(seconds, MIN_PASS_S)
         self._memo.clear()
         if n in self._cost:
             self._cost[n] += self.weight * (seconds - self._cost[n])
