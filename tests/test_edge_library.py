@@ -471,3 +471,26 @@ def test_threads_0_is_one_per_core_the_process_may_run_on(tiny, monkeypatch) -> 
     monkeypatch.setattr(drafter_mod.os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
     assert OnnxDrafter(tiny.draft_dir, threads=0)._session.get_session_options().intra_op_num_threads == 3
     assert OnnxDrafter(tiny.draft_dir, threads=2)._session.get_session_options().intra_op_num_threads == 2
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_nothing_is_drafted_past_a_drafted_end_token(tiny, server, mode) -> None:
+    """Past an end-of-sequence or stop id no draft is of use: accepted, the generation ends
+    there; rejected, the line is cut before it. The edge drafted on to its window all the same,
+    and the server verified those drafts. A sync round ends at it, short of k."""
+    ids = EdgeTokenizer(tiny.draft_dir).encode("def add(a, b):")
+    want = reference(str(tiny.target_dir), ids, 24)
+    stop = next(t for t in range(300, 0, -1) if t not in want)  # never the target's: always rejected
+    asked: list[list[int]] = []
+
+    class EveryThirdStops:
+        def next_token(self, trajectory) -> int:  # type: ignore[no-untyped-def]
+            asked.append(list(trajectory))
+            return stop if len(trajectory) % 3 == 0 else 7
+
+    cfg = EdgeConfig(mode=mode, k=4, window=8, max_new_tokens=24, stop_ids=(stop,), branch_tokens=0)
+    result = asyncio.run(generate(server, ids, cfg, drafter=EveryThirdStops(), connect=ConnectOptions(retries=0),
+                                  fingerprint=EdgeTokenizer(tiny.draft_dir).fingerprint))
+    assert result.tokens == want
+    assert any(t[-1] == 7 for t in asked) and any(len(t) % 3 == 0 for t in asked)  # it drafted up to stops
+    assert not [t for t in asked if t[-1] == stop], "drafted past a drafted stop id"

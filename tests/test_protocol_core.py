@@ -453,3 +453,18 @@ def test_a_verdicts_rejections_cross_the_wire_and_an_older_servers_are_inferred(
         older = pb.ServerMessage(verdict=pb.Verdict(start=3, tokens=[1] * (accepted + 1), accepted=accepted,
                                                     proposed=proposed, candidate_tip=5))
         assert codec.server_from_pb(older).rejected == inferred
+
+
+def test_the_edge_drafts_nothing_past_a_drafted_end_token_until_a_verdict_settles_it() -> None:
+    e = EdgeSession(PROMPT, window=6, end_ids=(9,))
+    e.push_draft(1)
+    assert e.room() == 5
+    e.push_draft(9)  # an end token: accepted, the generation ends; rejected, the line is cut before it
+    assert e.room() == 0
+    with pytest.raises(ValueError, match="window is full"):
+        e.push_draft(2)
+    e.next_chunk()
+    # The target rejects it for 5: the line goes on from there, with room again.
+    e.apply_verdict(Verdict(start=3, tokens=(1, 5), accepted=1, proposed=2, candidate_tip=5, chunks_received=1,
+                            rejected=1))
+    assert e.tokens == [3, 4, 5, 1, 5] and e.room() == 6

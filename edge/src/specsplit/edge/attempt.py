@@ -24,7 +24,7 @@ import numpy as np
 from specsplit.common.aio import being_cancelled, within
 from specsplit.edge.branching import DraftChoice, choose_branch, draft_choice
 from specsplit.edge.config import MODES, ConnectOptions, EdgeConfig
-from specsplit.edge.drafter import BatchDrafter, BranchOffering, Drafter, TokenPicker, VocabSized
+from specsplit.edge.drafter import BatchDrafter, BranchOffering, Drafter, EndAware, TokenPicker, VocabSized
 from specsplit.edge.failures import CallCancelled, OnCommitFailed, StreamEnded, StreamStalled
 from specsplit.edge.lookahead import adaptive_window
 from specsplit.edge.proposer import Proposer
@@ -182,7 +182,8 @@ class Attempt:
             # Sync drafts its k each round even at the end: the server verifies once drafts come.
             end = None if self.cfg.mode == "sync" else \
                 draft_end_for(len(self.prompt_ids), self.cfg.max_new_tokens, opened.max_context)
-            self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids, end)
+            ends = (*self.cfg.stop_ids, *(self.drafter.eos_ids if isinstance(self.drafter, EndAware) else ()))
+            self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids, end, ends)
             drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
             reading = asyncio.create_task(self._read_loop(stream.call, t0))
             # A prompt's (an earlier answer in a conversation) and a resumed generation's
@@ -305,7 +306,8 @@ class Attempt:
             # Drafts go out as soon as they are held, before anything waits: this also sends
             # drafts a verdict left unsent (past a branch the server holds less of, or a
             # resend), which would otherwise wait for room, and at the draft end for good.
-            if (not sync or edge.speculative >= self._k) and self._send_drafts(beside) and sync:
+            # (A sync round is k drafts, fewer where one ends the generation: room() is 0 then.)
+            if (not sync or edge.room() <= 0) and self._send_drafts(beside) and sync:
                 awaiting = self._verdicts
                 continue
             if branching:
@@ -321,7 +323,7 @@ class Attempt:
                 # A drafter that picks tokens without a model drafts inline: it fills the
                 # room at once, and what it drafted goes out as one chunk.
                 started = self._now()
-                for _ in range(min(edge.room(), self._k - edge.speculative) if sync else edge.room()):
+                while edge.room() > 0:  # (a sync edge's window is its k)
                     edge.push_draft(pick(edge.tokens))
                 self._mark("draft", started, self._now(), len(edge.tokens))
             else:
@@ -445,6 +447,8 @@ class Attempt:
         edge = self.edge
         assert edge is not None
         start, tokens = branch
+        if tokens[-1] in edge.end_ids:
+            return False  # nothing drafted past an end token could be used
         return len(tokens) < self._branch_room(start) and (len(tokens) < len(edge.tokens) - start or edge.room() <= 0)
 
     async def _extend_branch(self, branch: tuple[int, tuple[int, ...]]) -> None:

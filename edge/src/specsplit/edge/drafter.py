@@ -61,6 +61,15 @@ class VocabSized(Protocol):
 
 
 @runtime_checkable
+class EndAware(Protocol):
+    """A drafter that knows its tokenizer's end-of-sequence ids: the edge drafts nothing past
+    one (EdgeSession's end_ids)."""
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]: ...
+
+
+@runtime_checkable
 class BatchDrafter(Protocol):
     """A drafter that steps several trajectories (the main line and its branches) in one run."""
 
@@ -112,6 +121,7 @@ class OnnxDrafter:
     def __init__(self, directory: Path, threads: int = 1) -> None:
         self.directory = Path(directory)
         self.meta = DraftExportMeta.load(self.directory)
+        self.eos_ids = tuple(self.meta.eos_ids)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or allowed_cores()
         opts.inter_op_num_threads = 1

@@ -13,7 +13,7 @@ instead of from the correction.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from specsplit.protocol import errors
 from specsplit.protocol.messages import Done, DraftChunk, SparseDist, Verdict
@@ -22,9 +22,12 @@ from specsplit.protocol.trajectory import Trajectory
 
 class EdgeSession:
     def __init__(self, prompt_ids: Sequence[int], window: int, committed_ids: Sequence[int] = (),
-                 draft_end: int | None = None) -> None:
+                 draft_end: int | None = None, end_ids: Iterable[int] = ()) -> None:
         """`draft_end`: the trajectory's length past which no draft is drafted, where the
-        server would verify none (its generation or context ends; None: no such end)."""
+        server would verify none (its generation or context ends; None: no such end).
+        `end_ids`: tokens that end a generation (end-of-sequence, stop ids), past which a
+        draft is never of use: accepted, the generation ends there; rejected, the line is cut
+        before it."""
         if window < 1:
             raise ValueError("the lookahead window must be at least 1")
         if len(prompt_ids) == 0:
@@ -32,6 +35,7 @@ class EdgeSession:
         self.prompt_len = len(prompt_ids)
         self.window = window
         self.draft_end = draft_end
+        self.end_ids = frozenset(end_ids)
         self._line = Trajectory([*prompt_ids, *committed_ids])
         self.sent_len = self.committed_len
         self._chunks_sent = 0
@@ -71,9 +75,12 @@ class EdgeSession:
 
     def room(self) -> int:
         """How many more tokens may be drafted before a verdict opens the window (or, near
-        the draft end, before the generation's last tokens come as verdicts)."""
+        the draft end, before the generation's last tokens come as verdicts; or, after a
+        drafted end token, before a verdict settles it)."""
         if self.done is not None:
             return 0
+        if self.speculative and self._line.tokens[-1] in self.end_ids:
+            return 0  # nothing drafted past it could be used
         room = self.window - self.speculative
         return room if self.draft_end is None else min(room, self.draft_end - len(self._line))
 
