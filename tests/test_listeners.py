@@ -132,6 +132,18 @@ def test_an_ipv6_host_is_served_bare_or_bracketed_with_its_metrics(host: str) ->
         assert b"specsplit_" in reply.read()
 
 
+def name_of_addresses(monkeypatch, name: str, *addresses: str) -> None:  # type: ignore[no-untyped-def]
+    """Make `name` resolve to `addresses`, in that order, as a name with several would."""
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host == name:
+            return [info for address in addresses for info in real(address, *args, **kwargs)]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+
+
 def test_metrics_are_served_on_every_address_of_their_host(monkeypatch) -> None:
     """A name with two addresses (localhost where /etc/hosts gives ::1 first): the HTTP server
     bound only the first, and a scraper of the other found nothing, while gRPC served both."""
@@ -139,14 +151,7 @@ def test_metrics_are_served_on_every_address_of_their_host(monkeypatch) -> None:
         socket.socket(socket.AF_INET6).bind(("::1", 0))
     except OSError:
         pytest.skip("no IPv6 loopback here")
-    real = socket.getaddrinfo
-
-    def both(host, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if host == "dual.test":
-            return [*real("::1", *args, **kwargs), *real("127.0.0.1", *args, **kwargs)]
-        return real(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", both)
+    name_of_addresses(monkeypatch, "dual.test", "::1", "127.0.0.1")
     port = free_port()
     ServerMetrics().serve(port, "dual.test")
     for url in (f"http://[::1]:{port}/metrics", f"http://127.0.0.1:{port}/metrics"):
@@ -159,14 +164,7 @@ def test_metrics_are_served_on_every_address_of_their_host(monkeypatch) -> None:
 def test_metrics_refuse_an_address_of_their_host_that_another_process_holds(monkeypatch) -> None:
     """An address of the host taken since the start's check was passed over where another
     address could be served: a scraper of it found nothing, or another process's metrics."""
-    real = socket.getaddrinfo
-
-    def two(host, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if host == "two.test":
-            return [*real("127.0.0.1", *args, **kwargs), *real("127.0.0.2", *args, **kwargs)]
-        return real(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", two)
+    name_of_addresses(monkeypatch, "two.test", "127.0.0.1", "127.0.0.2")
     port = free_port()
     with socket.socket() as taken:
         taken.bind(("127.0.0.2", port))
