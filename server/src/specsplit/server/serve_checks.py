@@ -73,7 +73,7 @@ def _configs(args: argparse.Namespace, tls: TLSConfig | None,
     return sched, cfg
 
 
-def check_dates(cert: str, now: datetime | None = None) -> None:
+def check_dates(cert: str) -> None:
     """ValueError unless the --tls-cert certificate is within its dates by this machine's
     clock. OpenSSL loads one outside them without a word, and then every client's handshake
     fails, with nothing in the server's log. (A file that is not a regular file is left to
@@ -83,7 +83,7 @@ def check_dates(cert: str, now: datetime | None = None) -> None:
     from cryptography import x509
 
     certificate = x509.load_pem_x509_certificate(Path(cert).read_bytes())  # the first: the server's own
-    now = now or datetime.now(timezone.utc)
+    now = datetime.now(timezone.utc)
     if now > certificate.not_valid_after_utc:
         raise ValueError(f"--tls-cert {cert} expired on {certificate.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: "
                          "every client's handshake would fail; give a current certificate")

@@ -375,8 +375,8 @@ class ServerSession:
         cut, reason = self._termination(new)
         new = new[:cut]
         accepted = sum(drafted[:cut])
-        rejections = sum(rejected[:cut])  # drafts past an ending were never in question
-        # Drafts past an ending were never in question; all others were.
+        rejections = sum(rejected[:cut])
+        # Drafts past an ending were never in question (nor rejected); all others were.
         considered = offered if reason is None else min(offered, cut)
         switched = self._follow_branch(new)
         # Keep candidates beyond the new tokens only if they continue the committed trajectory.
