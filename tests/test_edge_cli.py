@@ -367,3 +367,32 @@ def test_a_draft_model_deeper_than_its_metadata_says_is_one_error_line(tiny, tmp
     assert main(["generate", "--server", "127.0.0.1:1", "--draft", deeper, "hi"]) == 2
     err = capsys.readouterr().err
     assert "takes inputs its specsplit.json does not describe (past_key_values." in err and err.count("\n") == 1, err
+
+
+def test_a_retry_after_a_closed_tls_connection_says_which_setting_to_look_at(tiny, tmp_path, capsys) -> None:
+    """Against a mutual-TLS server an edge without a client certificate sees "Socket closed",
+    as from a lost server, and retries it as one (71 s at the default --retries): the hint
+    came only after the last retry. Each retry's warning now carries it."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from certs import make_pki
+
+    pki = make_pki(tmp_path)
+    crt, key, ca = (pki[r].with_suffix(s).read_bytes() for r, s in (("server", ".crt"), ("server", ".key"), ("ca", ".crt")))
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, crt)], root_certificates=ca,
+                                                                               require_client_auth=True))
+    server.start()
+    try:
+        status = main(["generate", "--server", f"127.0.0.1:{port}", "--draft", str(tiny.draft_dir), "--tls-ca",
+                       str(pki["ca"].with_suffix(".crt")), "--retries", "1", "hi"])
+    finally:
+        server.stop(None)
+    err = capsys.readouterr().err
+    assert status == 1
+    retry = next(line for line in err.splitlines() if "re-opening it in" in line)
+    assert "if it asks for client certificates, give --tls-cert and --tls-key" in retry, err

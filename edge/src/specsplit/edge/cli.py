@@ -411,7 +411,7 @@ def check_args(args: argparse.Namespace) -> None:
             credentials=client_credentials(args.tls_ca, args.tls_cert, args.tls_key, args.tls),
             tls_server_name=args.tls_server_name,
             token=os.environ.get("SPECSPLIT_TOKEN") or None, stall_timeout_s=args.stall_timeout, retries=args.retries,
-            connect_timeout_s=args.connect_timeout,
+            connect_timeout_s=args.connect_timeout, hint=lambda details: _hint(details, args),
         )
         args.connect.check_servers(len(args.servers))
     except ConfigError as exc:

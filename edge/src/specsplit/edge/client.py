@@ -126,8 +126,10 @@ async def generate(
                 if isinstance(via, GenerateStream):
                     via.fail_over()
                 # A retry can take seconds (backoff doubles up to 8 s): say so, or a device looks hung.
-                log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d in a row)",
-                            describe(exc), delay, failures, connect.retries)
+                hint = connect.hint(exc.details() or "").strip() \
+                    if connect.hint is not None and isinstance(exc, grpc.aio.AioRpcError) else ""
+                log.warning("generation interrupted (%s); re-opening it in %.1f s (retry %d of %d in a row)%s",
+                            describe(exc), delay, failures, connect.retries, f" {hint}" if hint else "")
                 await asyncio.sleep(delay)
                 backoff = next_backoff(backoff)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -50,6 +50,10 @@ class ConnectOptions:
     # at the least: a restarted server's time to load the default target, with room to spare.
     retries: int = 12
     backoff_s: float = 0.5  # doubled after each failed attempt, up to retry.MAX_BACKOFF_S; back to this after progress
+    # A failed call's details -> which setting to look at ("" for none), added to each retry's
+    # warning: a TLS setting that does not match the server's fails as a lost server does
+    # (the command line's TLS hint; the library knows no flags).
+    hint: Callable[[str], str] | None = None
 
     def __post_init__(self) -> None:
         # gRPC metadata carries printable ASCII only; any other token fails every call with
