@@ -18,7 +18,7 @@ from pathlib import Path
 
 from loadtest.endpoint import ServerEndpoint
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
-from loadtest.timeline import Acceptance, acceptance, itl_ms, verdict_interval_ms, verdict_latency_ms
+from loadtest.timeline import Acceptance, acceptance, in_window, itl_ms, verdict_interval_ms, verdict_latency_ms
 from specsplit.edge.client import EdgeConfig, GenerationResult, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.failures import GENERATION_FAILURES, status_name
@@ -150,7 +150,7 @@ def _record(result: GenerationResult, reference: tuple[int, ...], started: float
     window = (opens - started, math.inf if deadline is None else deadline - started)
 
     def inside(t: float | None) -> float | None:
-        return t if t is not None and window[0] <= t <= window[1] else None
+        return t if t is not None and in_window(t, window) else None
 
     return GenerationRecord(
         tokens=len(result.tokens),

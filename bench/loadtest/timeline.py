@@ -20,7 +20,8 @@ from specsplit.common.acceptance import observed_acceptance
 ALWAYS = (-math.inf, math.inf)
 
 
-def _inside(t: float, window: tuple[float, float]) -> bool:
+def in_window(t: float, window: tuple[float, float]) -> bool:
+    """Whether `t` lies in `window` (its ends included)."""
     return window[0] <= t <= window[1]
 
 
@@ -29,7 +30,7 @@ def itl_ms(commit_times: Sequence[float], window: tuple[float, float] = ALWAYS) 
     tokens of one verdict share its time, so a verdict of k tokens adds k - 1 zero gaps.
     Only gaps that end within `window` (times as commit_times count them), as each sample
     below is taken when it ends."""
-    return [(b - a) * 1000 for a, b in zip(commit_times, commit_times[1:]) if _inside(b, window)]
+    return [(b - a) * 1000 for a, b in zip(commit_times, commit_times[1:]) if in_window(b, window)]
 
 
 def _verdicts(timeline: Sequence[tuple]) -> list[tuple]:
@@ -48,7 +49,7 @@ def verdict_latency_ms(timeline: Sequence[tuple], window: tuple[float, float] = 
             continue
         _, sent, position, _ = event
         i = bisect.bisect_right(ends, position)
-        if i < len(verdicts) and verdicts[i][2] <= position and verdicts[i][1] >= sent and _inside(verdicts[i][1], window):
+        if i < len(verdicts) and verdicts[i][2] <= position and verdicts[i][1] >= sent and in_window(verdicts[i][1], window):
             out.append((verdicts[i][1] - sent) * 1000)
     return out
 
@@ -56,7 +57,7 @@ def verdict_latency_ms(timeline: Sequence[tuple], window: tuple[float, float] = 
 def verdict_interval_ms(timeline: Sequence[tuple], window: tuple[float, float] = ALWAYS) -> list[float]:
     """Time between consecutive verdicts of the generation."""
     times = [v[1] for v in _verdicts(timeline)]
-    return [(b - a) * 1000 for a, b in zip(times, times[1:]) if _inside(b, window)]
+    return [(b - a) * 1000 for a, b in zip(times, times[1:]) if in_window(b, window)]
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Acceptance:
 def acceptance(timeline: Sequence[tuple], window: tuple[float, float] = ALWAYS) -> Acceptance:
     total = Acceptance()
     for v in _verdicts(timeline):
-        if not _inside(v[1], window):
+        if not in_window(v[1], window):
             continue
         total += Acceptance(v[4], v[6], v[7])
     return total

@@ -121,7 +121,6 @@ class OnnxDrafter:
     def __init__(self, directory: Path, threads: int = 1) -> None:
         self.directory = Path(directory)
         self.meta = DraftExportMeta.load(self.directory)
-        self.eos_ids = tuple(self.meta.eos_ids)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or allowed_cores()
         opts.inter_op_num_threads = 1
@@ -166,6 +165,10 @@ class OnnxDrafter:
     @property
     def vocab_size(self) -> int:
         return self.meta.vocab_size
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.meta.eos_ids
 
     def reset(self) -> None:
         empty = np.zeros((1, self.meta.num_kv_heads, 0, self.meta.head_dim), dtype=np.float32)
