@@ -34,7 +34,6 @@ from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS, write_config_target
 from report_files import save_report
 from specsplit.server import models
-from specsplit.server.cpu_linear import use_mlas_linears
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
 from specsplit.server.static_engine import StaticEngine
 from specsplit.server.loading import load_model
@@ -53,9 +52,8 @@ def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slot
         config.update(TINY, tie_word_embeddings=False)
         config.pop("layer_types", None)  # derived from the layer count again on load
         (target / "config.json").write_text(json.dumps(config))
-    loaded = load_model(str(target), dtype=dtype, device=device, load_format="auto" if real else "dummy")
-    if cpu_linear == "onnxruntime":
-        use_mlas_linears(loaded.model)
+    loaded = load_model(str(target), dtype=dtype, device=device, load_format="auto" if real else "dummy",
+                        onnxruntime_linears=cpu_linear == "onnxruntime")
     return StaticEngine(loaded, slots, max_len, fuse=fuse) if kind == "static" else TargetEngine(loaded)
 
 

@@ -1,4 +1,5 @@
-"""ONNX Runtime linears on CPU compute what the layers they replace do, for any number of rows."""
+"""ONNX Runtime's GEMM on CPU computes what the fp32 layers it stands in for do, for any
+number of rows; a row-invariant layer takes it only where asked for, for large fp32 layers."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,57 +7,52 @@ import pytest
 import torch
 from torch import nn
 
-from specsplit.server.cpu_linear import MlasLinear, gemm_model, use_mlas_linears
+from specsplit.server import row_invariant
+from specsplit.server.cpu_linear import MIN_WEIGHTS, OnnxRuntimeProduct, gemm_model
+from specsplit.server.row_invariant import ONNXRUNTIME, RowInvariantLinear
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 7), (3, 5)])
-def test_same_output_as_the_layer_it_wraps(bias: bool, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_same_output_as_the_layer(threads: int, bias: bool, rows: int) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(48, 80, bias=bias)
-    wrapped = MlasLinear(linear, threads=1)
-    calls = []
-    run = wrapped.session.run
-    wrapped.session = type("Counted", (), {"run": lambda _, *a: calls.append(1) or run(*a)})()
-    x = torch.randn(*shape, 48)
+    product = OnnxRuntimeProduct(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), threads)
+    x = torch.randn(rows, 48)
     with torch.no_grad():
-        want, got = linear(x), wrapped(x)
-    assert got.shape == want.shape == (*shape, 80)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert calls == [1]  # ONNX Runtime computed it, a single row (a one-token step) too
+        torch.testing.assert_close(product(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
-def test_swaps_fp32_linears_of_a_model_and_keeps_its_logits() -> None:
+def test_only_fp32_weights() -> None:
+    with pytest.raises(ValueError, match="fp32"):
+        OnnxRuntimeProduct(torch.zeros(4, 4, dtype=torch.bfloat16), None, 1)
+
+
+def test_a_layer_takes_it_only_where_asked_for_large_fp32_weights() -> None:
+    """A lone row goes through as it is: ONNX Runtime's GEMM keeps its bits from one row on."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 8, bias=False)))
-    x = torch.randn(2, 6, 16)
-    with torch.no_grad():
-        want = model(x)
-        assert use_mlas_linears(model, threads=1, min_weights=0) == 2
-        got = model(x)
-    assert isinstance(model[0], MlasLinear) and isinstance(model[2][0], MlasLinear)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    large = nn.Linear(512, MIN_WEIGHTS // 512)
+    small = nn.Linear(64, 64)
+    layer = RowInvariantLinear(large, onnxruntime=True)
+    assert (layer.form, layer.fewest) == (ONNXRUNTIME, 1)
+    assert RowInvariantLinear(large).form != ONNXRUNTIME
+    assert RowInvariantLinear(small, onnxruntime=True).form != ONNXRUNTIME
+    assert RowInvariantLinear(large.to(torch.bfloat16), onnxruntime=True).form != ONNXRUNTIME
+    calls = []
+    product = layer.product
+    layer.product = lambda rows: calls.append(len(rows)) or product(rows)
+    with torch.inference_mode():
+        layer(torch.randn(1, 1, 512))
+    assert calls == [1]
 
 
-def test_leaves_other_dtypes_and_small_layers_alone() -> None:
-    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4), nn.Linear(512, 512))
-    assert use_mlas_linears(model, threads=1) == 1  # only the layer of 512 x 512 >= MIN_WEIGHTS
-    assert [type(m) for m in model] == [nn.Linear, nn.Linear, MlasLinear]
-
-
-def test_more_threads_give_the_same_output() -> None:
-    torch.manual_seed(1)
-    layers = [nn.Linear(32, 64) for _ in range(3)]
-    x = torch.randn(5, 32)
-    with torch.no_grad():
-        for linear in layers:
-            torch.testing.assert_close(MlasLinear(linear, threads=2)(x), linear(x), rtol=1e-5, atol=1e-5)
-
-
-def test_an_empty_batch_stays_on_pytorchs_path() -> None:
-    wrapped = MlasLinear(nn.Linear(48, 80), threads=1)
-    with torch.no_grad():
-        assert wrapped(torch.randn(1, 0, 48)).shape == (1, 0, 80)
+def test_where_its_probe_keeps_fewer_rows_a_pytorch_form_serves(monkeypatch) -> None:
+    monkeypatch.setattr(row_invariant, "_kept", {})
+    monkeypatch.setattr(row_invariant, "rows_kept", lambda product, *args:
+                        3 if isinstance(product, OnnxRuntimeProduct) else row_invariant.INVARIANT_ROWS)
+    layer = RowInvariantLinear(nn.Linear(512, MIN_WEIGHTS // 512), onnxruntime=True)
+    assert layer.form != ONNXRUNTIME and layer.rows == row_invariant.INVARIANT_ROWS
 
 
 def test_the_layers_model_is_one_the_oldest_onnx_runtime_taken_reads() -> None:

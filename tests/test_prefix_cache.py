@@ -74,7 +74,8 @@ def _rows_for_b(engine: TargetEngine, drafts: list[int]) -> tuple[int, list[np.n
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @torch.inference_mode()
 def test_a_session_from_a_shared_prefix_gets_the_rows_it_computes(tiny, dtype) -> None:
-    """bf16 on a model as wide as the default target, made row-invariant: the same bits."""
+    """Row-invariant, as a CPU target is loaded: the same bits (fp32 on the tiny model, bf16 on
+    a model as wide as the default target)."""
     if dtype == "bf16":
         if not cpu_has_fast_bf16():
             pytest.skip("the CPU has no native bf16")
@@ -92,11 +93,7 @@ def test_a_session_from_a_shared_prefix_gets_the_rows_it_computes(tiny, dtype) -
     want = [fresh.verify_batch([VerifyItem(state, B, drafts)])[0],
             fresh.verify_batch([VerifyItem(state, B + drafts[:2], [61, 62])])[0]]
     for got, expected in zip(rows, want):
-        if dtype == "bf16":
-            assert np.array_equal(got, expected)
-        else:
-            np.testing.assert_allclose(got, expected, atol=1e-4)
-            assert np.array_equal(got.argmax(-1), expected.argmax(-1))
+        assert np.array_equal(got, expected)
 
 
 def test_sessions_through_a_server_start_from_the_prefix_they_share(tiny, tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""bf16 on CPU: a row's logits are the same bits whatever its pass's size (row_invariant).
+"""bf16 and fp32 on CPU: a row's logits are the same bits whatever its pass's size (row_invariant).
 
 Greedy verification is only exact if the target scores a position identically alone (a
 server-only step) and among drafts or other sessions (a verification). The check runs a
@@ -7,7 +7,9 @@ and beside another session of a different length, and compares every logit row b
 The same check under a kernel that sums by the row count, with the probe of that kernel
 bypassed, must find a difference, or the first check would prove nothing. (PyTorch's own
 bf16 model differs too on an AMD EPYC, but not on every machine: on an Intel Xeon with AMX
-and PyTorch 2.11, with one thread, it gave these passes the same bits.)
+and PyTorch 2.11, with one thread, it gave these passes the same bits. PyTorch's own fp32 model
+differed on an AMD EPYC: its lone rows take a vector kernel.) The bf16 checks need a CPU with
+native bf16, where the server serves bf16; the fp32 ones run everywhere.
 """
 from __future__ import annotations
 
@@ -22,22 +24,26 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from specsplit.server.engine import TargetEngine, VerifyItem
 from specsplit.server.loading import LoadedModel, cpu_has_fast_bf16, load_model
 from specsplit.server import row_invariant
-from specsplit.server.row_invariant import (ATTENTION, INVARIANT_ROWS, MIN_ROWS, RowInvariantLinear, make_rows_invariant,
-                                            row_invariant_attention)
+from specsplit.server.row_invariant import (ATTENTION, INVARIANT_ROWS, MIN_ROWS, ONNXRUNTIME, RowInvariantLinear,
+                                            make_rows_invariant, row_invariant_attention)
 from test_kernel_probe import sums_by_row_count
 
-pytestmark = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16; serving stays in fp32 there")
+needs_bf16 = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="the CPU has no native bf16; serving stays in fp32 there")
+# The server's forms of a CPU target: bf16; fp32 with ONNX Runtime's GEMM for its large layers
+# (the default) and without (--cpu-linear default).
+SERVED = [pytest.param(torch.bfloat16, False, id="bf16", marks=needs_bf16),
+          pytest.param(torch.float32, True, id="fp32-onnxruntime"), pytest.param(torch.float32, False, id="fp32")]
 
 STEPS = 12
 
 
-def _model(seed: int = 0) -> Qwen2ForCausalLM:
+def _model(seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Qwen2ForCausalLM:
     # As wide as the default target (1536): narrower layers get the same bits from a one-row
     # product as from a matrix one, and would not show what pairing lone rows is for.
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=512, hidden_size=1536, intermediate_size=1536, num_hidden_layers=2,
                          num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=256)
-    return Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    return Qwen2ForCausalLM(config).to(dtype).eval()
 
 
 def _rows(engine: TargetEngine, prompt: list[int], tokens: list[int], chunk: int,
@@ -67,10 +73,20 @@ def _compare(model: Qwen2ForCausalLM) -> list[bool]:
 
 
 @torch.inference_mode()
-def test_bf16_rows_do_not_depend_on_the_pass() -> None:
-    model = _model()
-    assert make_rows_invariant(model) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+@pytest.mark.parametrize("dtype, onnxruntime", SERVED)
+def test_rows_do_not_depend_on_the_pass(dtype, onnxruntime) -> None:
+    model = _model(dtype=dtype)
+    assert make_rows_invariant(model, onnxruntime) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    forms = {m.form for m in model.modules() if isinstance(m, RowInvariantLinear)}
+    assert (ONNXRUNTIME in forms) == onnxruntime  # every layer is at least MIN_WEIGHTS
     assert _compare(model) == [True, True, True, True]
+
+
+@torch.inference_mode()
+def test_pytorchs_own_fp32_rows_depend_on_the_pass() -> None:
+    """The control of the fp32 check: as loaded, the model gives a row other bits in other
+    passes, or the check above would show nothing (on an AMD EPYC all four differ)."""
+    assert not all(_compare(_model(dtype=torch.float32)))
 
 
 def _sums_by_row_count(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -81,8 +97,10 @@ def _sums_by_row_count(weight: torch.Tensor, bias: torch.Tensor | None, rows: to
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16", marks=needs_bf16),
+                                   pytest.param(torch.float32, id="fp32")])
 @pytest.mark.parametrize("probed", [True, False])
-def test_a_kernel_that_sums_by_row_count_is_kept_to_the_rows_it_holds(monkeypatch, probed) -> None:
+def test_a_kernel_that_sums_by_row_count_is_kept_to_the_rows_it_holds(monkeypatch, probed, dtype) -> None:
     """Under a kernel that sums past MIN_ROWS rows in another order, the probe keeps every
     product to MIN_ROWS rows and the passes give every row its bits; the control: told the
     kernel holds INVARIANT_ROWS, the check finds rows that differ."""
@@ -91,7 +109,7 @@ def test_a_kernel_that_sums_by_row_count_is_kept_to_the_rows_it_holds(monkeypatc
     monkeypatch.setattr(row_invariant, "_linear", _sums_by_row_count)
     if not probed:
         monkeypatch.setattr(row_invariant, "rows_kept", lambda *args: INVARIANT_ROWS)
-    model = _model()
+    model = _model(dtype=dtype)
     make_rows_invariant(model)
     assert {m.rows for m in model.modules() if isinstance(m, RowInvariantLinear)} == {MIN_ROWS if probed else INVARIANT_ROWS}
     if probed:
@@ -127,6 +145,7 @@ def _alone_and_among_others(attention: Callable, heads: int = 12) -> list[bool]:
     return results
 
 
+@needs_bf16
 @torch.inference_mode()
 @pytest.mark.parametrize("heads", [12, 4, 2])
 def test_a_query_gets_the_same_attention_alone_and_among_others(heads) -> None:
@@ -140,11 +159,14 @@ def test_a_query_gets_the_same_attention_alone_and_among_others(heads) -> None:
         assert not all(_alone_and_among_others(eager))
 
 
-def test_row_invariant_linear_computes_the_layer() -> None:
+@pytest.mark.parametrize("dtype, onnxruntime", SERVED)
+def test_row_invariant_linear_computes_the_layer(monkeypatch, dtype, onnxruntime) -> None:
+    monkeypatch.setattr(row_invariant, "MIN_WEIGHTS", 0)  # ONNX Runtime's GEMM for a layer this small too
     torch.manual_seed(0)
-    linear = torch.nn.Linear(256, 384).to(torch.bfloat16)
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
-    wrapped = RowInvariantLinear(linear)
+    linear = torch.nn.Linear(256, 384).to(dtype)
+    x = torch.randn(5, 256, dtype=dtype)
+    wrapped = RowInvariantLinear(linear, onnxruntime)
+    assert (wrapped.form == ONNXRUNTIME) == onnxruntime
     with torch.inference_mode():
         whole = wrapped(x)
         for i in range(5):
@@ -166,17 +188,18 @@ def _rows_by_count(linear: torch.nn.Module, x: torch.Tensor) -> list[bool]:
         return [torch.equal(linear(x[None, :n])[0], pairs[:n]) for n in ROW_COUNTS]
 
 
+@pytest.mark.parametrize("dtype, onnxruntime", SERVED)
 @pytest.mark.parametrize("shape", [(8960, 1536), (1536, 8960), (1536, 256)])
-def test_row_invariant_linear_over_many_rows(shape) -> None:
+def test_row_invariant_linear_over_many_rows(shape, dtype, onnxruntime) -> None:
     """The default target's down, up and key projections: in the pieces this machine's kernel
     keeps a row's bits over, every count gives the bits of two rows. (The plain layer's rows
     differ at some of these counts on some machines and not on others: test_kernel_probe.py
     shows the probe finding such counts, and the model-level control below shows a
     difference everywhere.)"""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(*shape, bias=False).to(torch.bfloat16)
-    x = torch.randn(max(ROW_COUNTS) + 1, shape[0], dtype=torch.bfloat16)
-    wrapped = RowInvariantLinear(linear)
+    linear = torch.nn.Linear(*shape, bias=False).to(dtype)
+    x = torch.randn(max(ROW_COUNTS) + 1, shape[0], dtype=dtype)
+    wrapped = RowInvariantLinear(linear, onnxruntime)
     assert all(_rows_by_count(wrapped, x))
 
 
@@ -217,6 +240,7 @@ def _alone_and_left_padded(attention) -> list[bool]:  # type: ignore[no-untyped-
     return same
 
 
+@needs_bf16
 @torch.inference_mode()
 def test_left_padding_does_not_change_a_row() -> None:
     """Eager attention over a left-padded row sums in other lanes than alone (the control
@@ -242,6 +266,7 @@ def _alone_and_with_a_hole(attention) -> list[bool]:  # type: ignore[no-untyped-
     return same
 
 
+@needs_bf16
 @torch.inference_mode()
 def test_keys_a_query_skips_do_not_change_it() -> None:
     """Masked keys among a query's own shift the rest to other lanes, as left padding does
@@ -284,6 +309,7 @@ def _two_branches_alone_and_together(attention) -> list[bool]:  # type: ignore[n
     return same
 
 
+@needs_bf16
 @torch.inference_mode()
 def test_a_branch_is_not_changed_by_another_fed_before_it() -> None:
     """Two branches in one row: the later one's tokens skip the earlier one's keys as well as
@@ -317,14 +343,20 @@ def test_a_pass_goes_through_few_products() -> None:
     assert _plan(mask, 1, queries, cache + queries, per_product=5) is plan  # read once per pass
 
 
-def test_loading_bf16_on_cpu_makes_rows_invariant(tiny) -> None:
-    """The server loads through load_model: bf16 on CPU must come out row-invariant, fp32 untouched."""
-    bf16 = load_model(str(tiny.target_dir), dtype="bf16").model
-    assert bf16.config._attn_implementation == ATTENTION
-    assert any(isinstance(m, RowInvariantLinear) for m in bf16.modules())
-    fp32 = load_model(str(tiny.target_dir), dtype="fp32").model
-    assert fp32.config._attn_implementation != ATTENTION
-    assert not any(isinstance(m, RowInvariantLinear) for m in fp32.modules())
+def test_loading_on_cpu_makes_rows_invariant(tiny, monkeypatch) -> None:
+    """The server loads through load_model: on CPU, bf16 and fp32 come out row-invariant, the
+    large fp32 layers through ONNX Runtime's GEMM where asked for; a model to be saved stays
+    as it was loaded."""
+    monkeypatch.setattr(row_invariant, "MIN_WEIGHTS", 0)  # the tiny model's layers are all small
+    for dtype, onnxruntime in (("bf16", True), ("fp32", False), ("fp32", True)):
+        model = load_model(str(tiny.target_dir), dtype=dtype, onnxruntime_linears=onnxruntime).model
+        assert model.config._attn_implementation == ATTENTION
+        layers = [m for m in model.modules() if isinstance(m, RowInvariantLinear)]
+        assert layers and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert all((m.form == ONNXRUNTIME) == (onnxruntime and dtype == "fp32") for m in layers), dtype
+    kept = load_model(str(tiny.target_dir), dtype="fp32", rows_invariant=False).model
+    assert kept.config._attn_implementation != ATTENTION
+    assert not any(isinstance(m, RowInvariantLinear) for m in kept.modules())
 
 
 def _in_line(engine: TargetEngine, prompt: list[int], tokens: list[int]) -> list[np.ndarray]:
@@ -333,13 +365,14 @@ def _in_line(engine: TargetEngine, prompt: list[int], tokens: list[int]) -> list
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype, onnxruntime", SERVED)
 @pytest.mark.parametrize("beside", [False, True])
-def test_a_branch_scores_as_if_fed_in_place_of_the_drafts(beside) -> None:
+def test_a_branch_scores_as_if_fed_in_place_of_the_drafts(beside, dtype, onnxruntime) -> None:
     """A pass that feeds drafts and, after them, two branches standing beside two of them:
     every row is the bits the same tokens get fed in line, and after the cache takes up the
     second branch, the next pass's rows are too (alone, and beside a session of another length)."""
-    model = _model()
-    make_rows_invariant(model)
+    model = _model(dtype=dtype)
+    make_rows_invariant(model, onnxruntime)
     engine = TargetEngine(LoadedModel(model, None, "test"))  # type: ignore[arg-type]
     rng = np.random.default_rng(2)
     prompt, other = ([int(t) for t in rng.integers(0, 512, n)] for n in (9, 17))

@@ -109,15 +109,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, args.device)
     log.info("loading target %s (%s on %s, %s engine)", args.target, dtype, args.device, args.engine)
+    onnxruntime = args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu"
+                                                       and dtype == "fp32")
     try:
-        loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format)
+        loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format,
+                            onnxruntime_linears=onnxruntime)
     # No such path, a hub id that cannot be fetched, a partial checkpoint, a file that is no model.
     except (OSError, MissingWeights, UnreadableModel) as exc:
         return _refuse(args, f"cannot load the target {args.target}: {exc}")
-    if args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu" and dtype == "fp32"):
-        from specsplit.server.cpu_linear import use_mlas_linears
-
-        log.info("ONNX Runtime linears: %d layers", use_mlas_linears(loaded.model))
     if args.engine == "static" and attends_in_windows(loaded.model.config):
         return _refuse(args, f"the static engine has no sliding-window attention, which {args.target} uses: "
                              "serve it with --engine dynamic")
@@ -314,9 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-linear",
         choices=["auto", "onnxruntime", "default"],
         default="auto",
-        help="auto (default): ONNX Runtime's GEMM for the linear layers when serving fp32 on CPU (a pass over 2 "
-        "to 16 tokens takes about half the time, a one-token step up to a third less; holds a packed copy of "
-        "the weights); default: PyTorch's",
+        help="auto (default): ONNX Runtime's GEMM for the large linear layers when serving fp32 on CPU (a pass "
+        "over 2 to 16 tokens takes about half the time, a one-token step up to a third less; holds a packed copy "
+        "of the weights), for each layer shape where a probe at load finds it gives a row the same bits in any "
+        "pass; onnxruntime: the same; default: PyTorch's (oneDNN)",
     )
     s.add_argument(
         "--idle-policy",

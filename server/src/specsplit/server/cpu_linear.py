@@ -1,4 +1,4 @@
-"""Faster fp32 linear layers on CPU, for every pass size.
+"""ONNX Runtime's GEMM for fp32 linear layers on CPU: quicker at every pass size.
 
 A verification feeds the target a handful of tokens at once. PyTorch's default CPU GEMM
 handles a few rows poorly: on a 2-core AVX2 server a whole 1.5B pass over 2 tokens cost
@@ -9,7 +9,9 @@ when the layer is built, and keeps small batches near memory speed: the same pas
 1.2x (2 tokens) and 1.7x (8 tokens) one token. On an AVX-512 server it is also the quicker
 path for a single token (212 against 294 ms a pass, one thread), so every pass takes it,
 single-token steps included. Measured per pass size by `bench/gpu_passes.py --target default
---device cpu --cpu-linear ...` (`bench/results/cpu-passes-*.md`).
+--device cpu --cpu-linear ...` (`bench/results/cpu-passes-*.md`). It is one of the ways a
+row-invariant layer may hand over its weight (row_invariant.py), taken where its probe finds
+that it gives every row its own bits.
 """
 from __future__ import annotations
 
@@ -17,9 +19,6 @@ import numpy as np
 import onnxruntime as ort
 import torch
 from onnx import ModelProto, TensorProto, helper
-from torch import nn
-
-from specsplit.server.linear_swap import replace_linears
 
 # Smaller layers stay on PyTorch's path: their weights are read from cache in microseconds,
 # and a call into ONNX Runtime costs a few tens of them (the tests' tiny models).
@@ -63,40 +62,25 @@ def gemm_model(in_features: int, out_features: int, inits: dict[str, np.ndarray]
     return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
 
 
-class MlasLinear(nn.Module):
-    """Wraps an fp32 nn.Linear: ONNX Runtime at inference; the original under autograd, for
-    other dtypes and for an empty batch."""
+class OnnxRuntimeProduct:
+    """rows [n, in] -> rows [n, out] of an fp32 linear layer (weight [out, in], bias), by ONNX
+    Runtime's GEMM with `threads` threads."""
 
-    def __init__(self, linear: nn.Linear, threads: int) -> None:
-        super().__init__()
-        self.linear = linear
-        # Gemm with transB takes PyTorch's (out, in) weight as it is, handed over without a copy;
-        # the session packs its own copy once, when it is built.
-        inits = {"w": linear.weight.detach().numpy()}
-        if linear.bias is not None:
-            inits["b"] = linear.bias.detach().numpy()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> None:
+        if weight.dtype != torch.float32:
+            raise ValueError(f"ONNX Runtime's linear layers take fp32 weights, not {weight.dtype}")
+        self.out_features = weight.shape[0]
+        # Gemm with transB takes PyTorch's (out, in) weight as it is, handed over without a copy
+        # (so the arrays are kept here); the session packs its own copy once, when it is built.
+        self._inits = {"w": weight.detach().numpy()}
+        if bias is not None:
+            self._inits["b"] = bias.detach().numpy()
         options = _session_options(threads)
-        options.add_external_initializers(list(inits), [ort.OrtValue.ortvalue_from_numpy(a) for a in inits.values()])
-        model = gemm_model(linear.in_features, linear.out_features, inits)
+        options.add_external_initializers(list(self._inits),
+                                          [ort.OrtValue.ortvalue_from_numpy(a) for a in self._inits.values()])
+        model = gemm_model(weight.shape[1], self.out_features, self._inits)
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows == 0 or x.dtype != torch.float32 or torch.is_grad_enabled():
-            return self.linear(x)
-        (y,) = self.session.run(None, {"x": x.reshape(rows, -1).contiguous().numpy()})
-        return torch.from_numpy(y).reshape(*x.shape[:-1], self.linear.out_features)
-
-
-def use_mlas_linears(model: nn.Module, threads: int | None = None, min_weights: int = MIN_WEIGHTS) -> int:
-    """Swap every fp32 nn.Linear of `model` (on CPU) with at least `min_weights` weights for
-    MlasLinear; returns how many. `threads` defaults to PyTorch's own thread count."""
-    threads = threads or torch.get_num_threads()
-
-    def wrap(linear: nn.Linear) -> nn.Module | None:
-        w = linear.weight
-        if w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= min_weights:
-            return MlasLinear(linear, threads)
-        return None
-
-    return replace_linears(model, wrap)
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        (y,) = self.session.run(None, {"x": rows.contiguous().numpy()})
+        return torch.from_numpy(y)

@@ -218,7 +218,7 @@ def export_draft(
     out_dir = Path(out_dir)
     check_replaceable(out_dir)
     log.info("loading %s", model_path)
-    loaded = load_model(model_path, dtype="fp32", attn="eager")
+    loaded = load_model(model_path, dtype="fp32", attn="eager", rows_invariant=False)  # PyTorch's own layers trace
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as tmp:
         work = Path(tmp)

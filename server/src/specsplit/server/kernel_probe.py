@@ -1,6 +1,6 @@
 """Over how many rows a matrix product gives every row the bits it gets alone, on this machine.
 
-Row-invariant bf16 on CPU (row_invariant.py) rests on the matrix kernel summing a row in one
+Row-invariant bf16 and fp32 on CPU (row_invariant.py) rest on the matrix kernel summing a row in one
 order whatever else shares its product, up to some number of rows. That number is the
 kernel's, not PyTorch's API's, and it moves with the CPU, the PyTorch build, the layer's
 shape, the thread count and how the weight is handed over. With PyTorch 2.13 on an AMD EPYC

@@ -37,8 +37,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """`auto`: bf16 on GPUs and on CPUs with native bf16, else fp32.
 
     On such a CPU a bf16 pass over 8 tokens costs little more than one over 1 token, where
-    an fp32 one costs nearly twice as much; a bf16 model on CPU is loaded so that its rows do
-    not depend on the pass's size (`row_invariant`), which keeps greedy verification exact."""
+    an fp32 one costs nearly twice as much; a model on CPU, in either, is loaded so that its
+    rows do not depend on the pass's size (`row_invariant`), which keeps greedy verification
+    exact."""
     if dtype != "auto":
         return dtype
     return "bf16" if device != "cpu" or cpu_has_fast_bf16() else "fp32"
@@ -110,17 +111,20 @@ class UnreadableModel(ValueError):
 
 
 def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None,
-               load_format: str = "auto", rows_invariant: bool = True) -> LoadedModel:
+               load_format: str = "auto", rows_invariant: bool = True,
+               onnxruntime_linears: bool = False) -> LoadedModel:
     """`path`: a HF directory, a .gguf file (dequantized by transformers) or a hub id.
 
     `load_format` dummy: only the directory's config.json and tokenizer are read and the
     weights are random, built on the device itself (a 7B model in seconds, without its
     15 GB of files); dummy-echo: the same, made to echo its input (`make_echo`).
 
-    bf16 on CPU is made row-invariant (`row_invariant`), whatever `attn` asks for: without
-    that, greedy verification there would not be exact. `rows_invariant=False` leaves the
-    model as loaded, for one that is to be saved: the row-invariant wrappers rename every
-    linear layer's weights.
+    bf16 and fp32 on CPU are made row-invariant (`row_invariant`), whatever `attn` asks for:
+    without that, a row's logits would depend on what else its pass holds, and greedy
+    verification there would not be exact. `onnxruntime_linears`: large fp32 layers may take
+    ONNX Runtime's GEMM there (`cpu_linear`), where its probe finds it row-invariant.
+    `rows_invariant=False` leaves the model as loaded, for one that is to be saved (the
+    row-invariant wrappers rename every linear layer's weights) or compiled.
 
     Raises MissingWeights where the checkpoint lacks weights the model has: transformers
     would start them at random and warn, and the model would serve noise; UnreadableModel
@@ -159,8 +163,8 @@ def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | 
                              "be random. A directory made by an older `models prepare` is made again by "
                              "running it; otherwise point at the complete checkpoint")
     model.to(device).eval()
-    if rows_invariant and device == "cpu" and dtype == "bf16":
-        make_rows_invariant(model)
+    if rows_invariant and device == "cpu" and dtype in ("bf16", "fp32"):
+        make_rows_invariant(model, onnxruntime_linears)
     return LoadedModel(model, tokenizer, path)
 
 

@@ -1,10 +1,11 @@
-"""bf16 on CPU with a row's logits independent of how many tokens its pass feeds.
+"""bf16 and fp32 on CPU with a row's logits independent of how many tokens its pass feeds.
 
 Greedy verification is lossless only if the target scores a position the same whether
-the position came alone (a server-only step) or among drafts (a verification). In fp32 the
-rows differ by about 3e-5 and no greedy choice flips; in bf16 PyTorch's CPU kernels gave
-rows up to a quarter of a logit apart, flipping near-tied choices. Two kernel choices did
-that, and both depend only on the pass's shape:
+the position came alone (a server-only step) or among drafts (a verification). In bf16
+PyTorch's CPU kernels gave rows up to a quarter of a logit apart, flipping near-tied
+choices; in fp32 the default target's rows moved by up to 1e-5 and no greedy choice flipped,
+but only bitwise equality makes that a guarantee. Two kernel choices did that, and both
+depend only on the pass's shape:
 
 - a linear layer over a single row takes a vector kernel, over two or more a matrix kernel,
   and the two sum in different orders. The matrix kernel gives a row the same bits over a
@@ -29,8 +30,8 @@ either way, and oneDNN's kernel for one or two rows is slower than for four); a 
 rows reads the weights once per piece, which a prompt's prefill and a large batch pay for (a
 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon).
 
-Attention is computed as eager attention computes it (products in bf16, the softmax in
-fp32), but a query's products have one shape wherever it is fed: its keys are taken in a
+Attention is computed as eager attention computes it (products in the model's dtype, the
+softmax in fp32), but a query's products have one shape wherever it is fed: its keys are taken in a
 window from the first it sees, KEY_BUCKET wide or a multiple of that, the keys past its own
 masked out (they weigh exactly 0, and a zero adds nothing to a sum), and queries that share a
 window go through as the rows of one product, at least MIN_ROWS and at most as many as the
@@ -40,7 +41,8 @@ One product per window, not per query: taken one query at a time (a Python loop 
 products, each mostly call overhead), attention was 13 to 19% of a pass over 8 tokens of the
 default target on one core of an AMD EPYC; in windows it takes about 40% of that time.
 Shown bitwise by `tests/test_row_invariant.py` on a small model, and on the default target by `bench/gpu_passes.py --target default --device cpu --dtype bf16` (its
-divergence check: `bench/results/cpu-passes-bf16-invariant.md`). The static engine swaps in
+divergence check: `bench/results/cpu-passes-bf16-invariant.md`; in fp32,
+`cpu-passes-fp32-invariant.md`). The static engine swaps in
 its own attention and is not made so.
 """
 from __future__ import annotations
@@ -57,7 +59,8 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from specsplit.server.kernel_probe import rows_kept, sensitive_weight
+from specsplit.server.cpu_linear import MIN_WEIGHTS, OnnxRuntimeProduct
+from specsplit.server.kernel_probe import Product, rows_kept, sensitive_weight
 from specsplit.server.kvcache import kv_shape
 from specsplit.server.linear_swap import replace_linears
 
@@ -76,36 +79,60 @@ INVARIANT_ROWS = 32
 MIN_ROWS = 4
 
 
+# How a layer may hand its weight to a matrix kernel: oneDNN's blocked layout packed for
+# INVARIANT_ROWS rows or for one (an int), as it is (None), or to ONNX Runtime's GEMM (fp32).
+Form = int | str | None
+ONNXRUNTIME = "onnxruntime"
+
+
 class RowInvariantLinear(nn.Module):
-    """A bf16 nn.Linear whose products take at most `rows` rows at a time and at least
-    MIN_ROWS (a short piece is padded with copies of its last row).
+    """A bf16 or fp32 nn.Linear on CPU whose products take at most `rows` rows at a time and
+    at least `fewest` (a short piece is padded with copies of its last row).
 
     `rows`, at most INVARIANT_ROWS, is how many rows this machine's kernel gives each of them
-    the bits it gets alone over, measured for the layer's shape (kernel_probe.py) with the
-    weight packed once into oneDNN's blocked layout for INVARIANT_ROWS rows, packed for one
-    row, or plain, the first that keeps INVARIANT_ROWS or else the one that keeps the most.
-    The probe runs at the thread count of the layer's making, which the kernel's choices
-    depend on: set it first (serve and bench/gpu_passes.py do). Unpacked, every call repacks the weight: PyTorch's bf16 product on CPU is oneDNN's with a
+    the bits it gets alone over, measured for the layer's shape (kernel_probe.py) for each way
+    of handing the weight over (`Form`), the first that keeps INVARIANT_ROWS or else the one
+    that keeps the most: with `onnxruntime`, an fp32 layer of at least MIN_WEIGHTS weights
+    first tries ONNX Runtime's GEMM (cpu_linear.py) from a lone row on; then the weight packed
+    once into oneDNN's blocked layout for INVARIANT_ROWS rows, packed for one row, or plain,
+    each from MIN_ROWS rows on. The probe runs at the thread count of the layer's making, which
+    the kernel's choices depend on: set it first (serve and bench/gpu_passes.py do).
+    Unpacked, every call repacks the weight: PyTorch's bf16 product on CPU is oneDNN's with a
     reorder of the weight first, which cost the default target's passes about as much again as
     the product itself (4 rows: 238 ms against 125 for its transformer layers)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, onnxruntime: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.weight, self.rows = _best_form(linear.weight.detach(), self.bias)
+        weight = linear.weight.detach()
+        forms: list[Form] = [INVARIANT_ROWS, 1, None]
+        if onnxruntime and weight.dtype == torch.float32 and weight.numel() >= MIN_WEIGHTS:
+            forms.insert(0, ONNXRUNTIME)
+        self.form, self.rows = _best_form(weight, self.bias, forms)
+        self.fewest = _fewest(self.form)
+        product = _product(weight, self.bias, self.form)
+        assert product is not None  # _best_form takes only forms this build can make
+        self.product = product
 
     @property
     def packed(self) -> bool:
-        return self.weight.is_mkldnn
+        return isinstance(self.form, int)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pieces = [self._product(piece) for piece in x.reshape(-1, self.in_features).split(self.rows)]
+        pieces = [self._piece(piece) for piece in x.reshape(-1, self.in_features).split(self.rows)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.reshape(*x.shape[:-1], self.out_features)
 
-    def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        return _linear(self.weight, self.bias, _at_least_min_rows(rows, 0))[: len(rows)]
+    def _piece(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.product(_at_least(rows, 0, self.fewest))[: len(rows)]
+
+
+def _fewest(form: Form) -> int:
+    """ONNX Runtime's GEMM gave a lone row the bits it gets among others on every CPU measured,
+    and is about as quick over one row as over four; oneDNN's and PyTorch's kernels take one or
+    two rows through other, slower paths (MIN_ROWS)."""
+    return 1 if form == ONNXRUNTIME else MIN_ROWS
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
@@ -114,50 +141,62 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor)
     return nn.functional.linear(rows, weight, bias)
 
 
-def _at_least_min_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """`rows` (along `dim`) padded to MIN_ROWS with copies of its last one."""
-    short = MIN_ROWS - rows.shape[dim]
+def _at_least(rows: torch.Tensor, dim: int, fewest: int = MIN_ROWS) -> torch.Tensor:
+    """`rows` (along `dim`) padded to `fewest` with copies of its last one."""
+    short = fewest - rows.shape[dim]
     if short <= 0:
         return rows
     last = rows.narrow(dim, rows.shape[dim] - 1, 1)
     return torch.cat((rows, last.expand(*[short if d == dim else -1 for d in range(rows.dim())])), dim)
 
 
-# Rows kept, by (packed for how many rows or None for plain, weight shape, bias, threads): a
-# model's layers share a few shapes, and each is probed once, on a weight made for it.
+# Rows kept, by (form, weight shape, dtype, bias, threads): a model's layers share a few
+# shapes, and each is probed once per form, on a weight made for it.
 _kept: dict[tuple, int] = {}
 
 
-def _best_form(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """The weight as the layer's products take it, and how many rows a product may take."""
-    best: tuple[int | None, int] | None = None
+def _best_form(weight: torch.Tensor, bias: torch.Tensor | None, forms: list[Form]) -> tuple[Form, int]:
+    """The form the layer's products take, and how many rows a product may take."""
+    best: tuple[Form, int] | None = None
     probed = False  # here, for this shape: the first layer of its shape says what was found
-    for hint in (INVARIANT_ROWS, 1, None):
-        key = (hint, tuple(weight.shape), bias is not None, torch.get_num_threads())
+    shape, kind = "x".join(map(str, weight.shape)), str(weight.dtype).removeprefix("torch.")
+    for form in forms:
+        key = (form, tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
         if key not in _kept:
             probed = True
-            probe = _form(sensitive_weight(*weight.shape, weight.dtype), hint)
-            # 0: this build cannot pack it (asked once per shape, not once per layer)
-            _kept[key] = 0 if probe is None else rows_kept(lambda rows: _linear(probe, bias, rows), weight.shape[1],
-                                                           weight.dtype, INVARIANT_ROWS, MIN_ROWS)
+            probe = _product(sensitive_weight(*weight.shape, weight.dtype), bias, form)
+            # 0: this build cannot make it (asked once per shape, not once per layer)
+            _kept[key] = 0 if probe is None else rows_kept(probe, weight.shape[1], weight.dtype, INVARIANT_ROWS,
+                                                           _fewest(form))
             if 0 < _kept[key] < INVARIANT_ROWS:
-                log.info("bf16 products of %s weights (%s) keep a row's bits over %d rows on this machine",
-                         "x".join(map(str, weight.shape)), "plain" if hint is None else f"packed for {hint}",
-                         _kept[key])
+                log.info("%s products of %s weights (%s) keep a row's bits over %d rows on this machine",
+                         kind, shape, _form_name(form), _kept[key])
         if _kept[key] == 0:
             continue
         if best is None or _kept[key] > best[1]:
-            best = (hint, _kept[key])
+            best = (form, _kept[key])
         if best[1] == INVARIANT_ROWS:
             break
     assert best is not None  # the plain weight is always there
-    if probed and best[1] < MIN_ROWS:
-        log.warning("bf16 products of %s weights give a row other bits among other rows on this machine: "
+    if probed and best[1] < _fewest(best[0]):
+        log.warning("%s products of %s weights give a row other bits among other rows on this machine: "
                     "they go one row at a time, and verification passes cost about a one-token step a "
-                    "token (--dtype fp32 may serve faster)", "x".join(map(str, weight.shape)))
-    form = _form(weight, best[0])
-    assert form is not None
-    return form, best[1]
+                    "token", kind, shape)
+    return best
+
+
+def _form_name(form: Form) -> str:
+    if form is None:
+        return "plain"
+    return "ONNX Runtime's GEMM" if form == ONNXRUNTIME else f"packed for {form}"
+
+
+def _product(weight: torch.Tensor, bias: torch.Tensor | None, form: Form) -> Product | None:
+    """The layer's product with the weight in `form`; None where this build cannot make it."""
+    if form == ONNXRUNTIME:
+        return OnnxRuntimeProduct(weight, bias, torch.get_num_threads())
+    packed = _form(weight, form)
+    return None if packed is None else functools.partial(_linear, packed, bias)
 
 
 def _form(weight: torch.Tensor, hint: int | None) -> torch.Tensor | None:
@@ -223,7 +262,7 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
         taken = slice(p.first, p.first + p.width) if p.positions is None else p.positions
         keys, values = _padded(key[p.row, :, taken], p.width), _padded(value[p.row, :, taken], p.width)
         rows = grouped[p.row, :, :, p.q0 : p.q0 + m].transpose(1, 2).reshape(kv_heads, m * group, dim)
-        rows = _at_least_min_rows(rows, 1)  # as for the linear layers: one or two rows take another kernel
+        rows = _at_least(rows, 1)  # as for the linear layers: one or two rows take another kernel
         scores = torch.matmul(rows, keys.transpose(1, 2)) * scaling  # [kv heads, rows, width]
         for i, seen in enumerate(p.seen):
             scores[:, i * group : (i + 1) * group, seen:] = float("-inf")
@@ -312,27 +351,33 @@ AttentionInterface.register(ATTENTION, row_invariant_attention)
 AttentionMaskInterface.register(ATTENTION, eager_mask)
 
 
-def make_rows_invariant(model: PreTrainedModel) -> int:
-    """Row-invariant attention, and every bf16 nn.Linear on CPU wrapped in RowInvariantLinear;
+def make_rows_invariant(model: PreTrainedModel, onnxruntime: bool = False) -> int:
+    """Row-invariant attention, and every bf16 or fp32 nn.Linear on CPU wrapped in
+    RowInvariantLinear (`onnxruntime`: large fp32 layers may take ONNX Runtime's GEMM);
     returns how many."""
     model.set_attn_implementation(ATTENTION)
     started = time.perf_counter()
-    replaced = replace_linears(model, _pair_if_bf16_on_cpu)
+    replaced = replace_linears(model, lambda linear: _wrap_on_cpu(linear, onnxruntime))
     if replaced:
-        rows = sorted({m.rows for m in model.modules() if isinstance(m, RowInvariantLinear)})
+        layers = [m for m in model.modules() if isinstance(m, RowInvariantLinear)]
+        rows = sorted({m.rows for m in layers})
+        through = sum(m.form == ONNXRUNTIME for m in layers)
         _, kv_heads, dim = kv_shape(model.config)
         heads = model.config.num_attention_heads
         attention = attention_rows(kv_heads, dim, model.dtype)
-        log.info("bf16 on CPU made row-invariant: %d linear layers, products of %s rows at most, attention's "
-                 "of %d (the kernel probed in %.1f s)", replaced, "/".join(map(str, rows)), attention,
-                 time.perf_counter() - started)
+        kind = str(model.dtype).removeprefix("torch.")
+        log.info("%s on CPU made row-invariant: %d linear layers (%d through ONNX Runtime's GEMM), products of %s "
+                 "rows at most, attention's of %d (the kernel probed in %.1f s)", kind, replaced, through,
+                 "/".join(map(str, rows)), attention, time.perf_counter() - started)
         if attention < heads // kv_heads:
             log.warning("attention's products give a row other bits past %d rows on this machine, fewer than a "
-                        "query's %d heads: a session's bf16 results may differ batched and alone here",
-                        attention, heads // kv_heads)
+                        "query's %d heads: a session's %s results may differ batched and alone here",
+                        attention, heads // kv_heads, kind)
     return replaced
 
 
-def _pair_if_bf16_on_cpu(linear: nn.Linear) -> nn.Module | None:
+def _wrap_on_cpu(linear: nn.Linear, onnxruntime: bool) -> nn.Module | None:
     w = linear.weight
-    return RowInvariantLinear(linear) if w.dtype == torch.bfloat16 and w.device.type == "cpu" else None
+    if w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float32):
+        return RowInvariantLinear(linear, onnxruntime)
+    return None

@@ -194,8 +194,8 @@ class StaticEngine:
         graphs nothing else would compile them before serving). Returns how many.
 
         Compiling can fail in more ways than one: no C compiler for Triton's or inductor's
-        code (a slim container image), or modules dynamo cannot trace (ONNX Runtime's linear
-        layers on an fp32 CPU, `cpu_linear`). The probe passes are throwaway, so any error
+        code (a slim container image), or modules dynamo cannot trace (the row-invariant
+        linear layers of a CPU target, `row_invariant`). The probe passes are throwaway, so any error
         in them means: serve the modules as they were."""
         replaced = fuse_pointwise(self.model)
         try:
