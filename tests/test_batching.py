@@ -243,6 +243,22 @@ def test_a_session_gone_during_its_pass_holds_its_cache_until_the_pass_is_delive
     assert asyncio.run(main()) == [2, 2, 1]
 
 
+def test_a_result_a_session_cannot_take_ends_that_session_alone() -> None:
+    """An engine that returns no rows for one session of a pass (a bug): that session ends
+    with the error, the other gets its token, and the worker, which serves every session,
+    goes on (before, the error escaped the worker and the server stopped)."""
+    async def main() -> None:
+        worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=2))
+        batch, _ = worker._take()
+        handles = [sh.handle for sh in batch]
+        worker._deliver_pass(batch, [np.array([], dtype=np.int64), np.array([7])], 0.01)
+        first, second = (h.outbox.get_nowait() for h in handles)
+        assert isinstance(first, Exception) and isinstance(second, Verdict) and second.tokens == (7,)
+        assert list(worker.sessions) == [handles[1].session.session_id]
+
+    asyncio.run(main())
+
+
 def test_round_robin_under_a_session_cap_starves_no_one() -> None:
     async def main() -> None:
         worker, ids = _ready_worker([3] * 7, SchedulerConfig(max_batch_sessions=3))

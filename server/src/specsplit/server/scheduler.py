@@ -581,7 +581,10 @@ class VerificationWorker:
             self.metrics.verify_drafts.observe(len(sh.task.drafts))
             sh.handle.busy_s += elapsed / len(batch)
             self._in_flight.discard(sh.handle.session.session_id)
-            self._deliver(sh, result, elapsed)
+            try:
+                self._deliver(sh, result, elapsed)
+            except Exception as exc:  # noqa: BLE001 - a result the session cannot take (an engine's bug) ends it alone
+                self._fail(sh.handle, exc)
         self._update_gauges()  # once per pass: it walks every session
 
     def _deliver(self, share: Share, result, elapsed: float) -> None:  # type: ignore[no-untyped-def]
@@ -590,11 +593,8 @@ class VerificationWorker:
         if s.session_id not in self.sessions:
             handle.kv.crop(0)  # the edge went away during the pass
             return
-        if isinstance(result, Exception):  # a failing model must not take the other sessions down
-            log.error("session %s: verification failed", s.session_id, exc_info=result,
-                      extra={"session": s.session_id})
-            self._put(handle, result)
-            self.remove(s.session_id)
+        if isinstance(result, Exception):
+            self._fail(handle, result)
             return
         if task.branches:
             sizes = [len(task.drafts) + 1, *(len(b.tokens) for b in task.branches)]  # the line's rows, then each branch's
@@ -619,6 +619,15 @@ class VerificationWorker:
             handle.idle_since = time.monotonic()
         if s.done is not None:
             self.remove(s.session_id)
+
+    def _fail(self, handle: SessionHandle, exc: Exception) -> None:
+        """End the session with `exc`, which its edge gets as INTERNAL: a failing model, or a
+        result the session cannot take, must not take the other sessions down, nor the
+        worker that serves them all."""
+        sid = handle.session.session_id
+        log.error("session %s: verification failed", sid, exc_info=exc, extra={"session": sid})
+        self._put(handle, exc)
+        self.remove(sid)
 
     def _put(self, handle: SessionHandle, item: object) -> bool:
         """Queue `item` for the session's edge; False where its outbox had no room (a pass
