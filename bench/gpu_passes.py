@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                    "benchmark's chat prompts in the divergence check: a model directory, or 'default' for the "
                    "default pair's target (prepared into the model cache if needed)")
     p.add_argument("--cpu-linear", choices=["default", "onnxruntime"], default="default",
-                   help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for the linear layers, fp32 only)")
+                   help="the server's --cpu-linear (onnxruntime: ONNX Runtime's GEMM for the large fp32 layers on CPU, "
+                   "where its probe finds it row-invariant)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--name", type=report_name, default=None, help="default: gpu-passes-ENGINE")
     p.add_argument("--out-dir", type=out_dir, default=HERE / "results", help="where NAME.json and NAME.md go "

@@ -1,8 +1,8 @@
 """Outside anchor: Hugging Face assisted generation, both models in one process.
 
 Meant to run pinned to one core (run_bench.py pins it; alone, use taskset); uses one torch thread, and for both models the dtype the server
-picks on this CPU (`--dtype auto`), loaded as the server loads it, so that its output can
-be compared with the server's. Prints one JSON object per prompt: tokens, seconds,
+picks on this CPU (`--dtype auto`), the target loaded as the server loads it, so that its
+output can be compared with the server's, the draft as transformers loads it. Prints one JSON object per prompt: tokens, seconds,
 tokens/s, token ids.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dtype = resolve_dtype("auto", "cpu")
-    target = load_model(args.target, dtype=dtype)
-    draft = load_model(args.draft, dtype=dtype)
+    target = load_model(args.target, dtype=dtype, onnxruntime_linears=dtype == "fp32")  # as serve loads it
+    draft = load_model(args.draft, dtype=dtype, rows_invariant=False)  # transformers' own: the server never runs it
     tok = target.tokenizer
     for prompt in args.prompts:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)

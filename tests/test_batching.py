@@ -31,7 +31,7 @@ from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, Serv
 from specsplit.protocol.server_session import ServerSession
 from specsplit.common.prefix import common_prefix
 from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
-from specsplit.server import loading
+from specsplit.server import loading, row_invariant
 from specsplit.server.loading import load_model, native_bf16, resolve_dtype
 from specsplit.server.pace import PaceLog
 from specsplit.server.config import SchedulerConfig
@@ -128,13 +128,15 @@ def test_the_fused_engine_compiles_everything_before_serving(tiny) -> None:
 def test_where_compiling_fails_the_engine_serves_with_eager_modules(tiny, monkeypatch, caplog, obstacle) -> None:
     """--fuse where torch.compile cannot build its kernels (a slim image without a compiler),
     or cannot trace the modules (the row-invariant linear layers a CPU target is loaded with,
-    oneDNN's packed weights or ONNX Runtime's): the engine says so and runs the original
-    modules, with the same rows."""
+    here through ONNX Runtime's GEMM): the engine says so and runs the original modules, with
+    the same rows."""
     import torch._dynamo
     import torch._inductor.config
 
     torch._dynamo.reset()  # compiled code from other tests would be reused, not rebuilt
-    loaded = load_model(str(tiny.target_dir), rows_invariant=obstacle != "no compiler")
+    # ONNX Runtime's GEMM for every layer: the plain form a probe may pick elsewhere would trace.
+    monkeypatch.setattr(row_invariant, "MIN_WEIGHTS", 0)
+    loaded = load_model(str(tiny.target_dir), rows_invariant=obstacle != "no compiler", onnxruntime_linears=True)
     if obstacle == "no compiler":
         monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
         monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler",))
@@ -255,6 +257,19 @@ def test_a_result_a_session_cannot_take_ends_that_session_alone() -> None:
         first, second = (h.outbox.get_nowait() for h in handles)
         assert isinstance(first, Exception) and isinstance(second, Verdict) and second.tokens == (7,)
         assert list(worker.sessions) == [handles[1].session.session_id]
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_returns_too_few_results_ends_the_pass_s_sessions() -> None:
+    """Which result is whose is unknown: every session of the pass ends with the error. Before,
+    the sessions without a result stayed in flight, never picked again and never freed."""
+    async def main() -> None:
+        worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=2))
+        batch, _ = worker._take()
+        worker._deliver_pass(batch, [np.array([7])], 0.01)
+        assert all(isinstance(sh.handle.outbox.get_nowait(), Exception) for sh in batch)
+        assert not worker.sessions and not worker._in_flight and worker.held() == 0
 
     asyncio.run(main())
 

@@ -38,13 +38,19 @@ def test_a_layer_takes_it_only_where_asked_for_large_fp32_weights() -> None:
     assert (layer.form, layer.fewest) == (ONNXRUNTIME, 1)
     assert RowInvariantLinear(large).form != ONNXRUNTIME
     assert RowInvariantLinear(small, onnxruntime=True).form != ONNXRUNTIME
-    assert RowInvariantLinear(large.to(torch.bfloat16), onnxruntime=True).form != ONNXRUNTIME
+    assert RowInvariantLinear(nn.Linear(512, MIN_WEIGHTS // 512).to(torch.bfloat16), onnxruntime=True).form != ONNXRUNTIME
     calls = []
     product = layer.product
     layer.product = lambda rows: calls.append(len(rows)) or product(rows)
     with torch.inference_mode():
         layer(torch.randn(1, 1, 512))
     assert calls == [1]
+
+
+def test_an_empty_batch_gives_no_rows() -> None:
+    layer = RowInvariantLinear(nn.Linear(512, MIN_WEIGHTS // 512), onnxruntime=True)
+    with torch.inference_mode():
+        assert layer(torch.randn(1, 0, 512)).shape == (1, 0, MIN_WEIGHTS // 512)
 
 
 def test_where_its_probe_keeps_fewer_rows_a_pytorch_form_serves(monkeypatch) -> None:

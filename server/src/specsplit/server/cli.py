@@ -260,9 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "bf16", "fp16", "fp32"],
         default="auto",
         help="auto (default): bf16 on GPU and on CPUs with native bf16 (AVX512-BF16, AMX), where a pass over 8 "
-        "tokens costs little more than one over 1; fp32 on other CPUs. bf16 on CPU runs eager attention and "
-        "pairs lone rows, so that a row's logits do not depend on its pass's size and greedy verification "
-        "stays exact (with --engine dynamic; the static engine's attention is not made so)",
+        "tokens costs little more than one over 1; fp32 on other CPUs. On CPU, bf16 and fp32 run attention in "
+        "windows of keys and linear layers in pieces of rows, so that a row's logits do not depend on its "
+        "pass's size and greedy verification stays exact (with --engine dynamic; the static engine's "
+        "attention is not made so)",
     )
     s.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     s.add_argument(
@@ -270,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "dynamic", "static"],
         default="auto",
         help="auto (default): static on a GPU, dynamic on a CPU. dynamic: a growing KV cache per session, "
-        "sessions padded into each pass (on a CPU in bf16 exact, see --dtype); static: one "
+        "sessions padded into each pass (on a CPU exact, see --dtype); static: one "
         "preallocated KV cache with a slot per session (--max-sessions x --static-max-len positions, allocated at "
         "start) and, on a GPU, CUDA graphs, one per batch shape that --max-batch-sessions and "
         "--max-batch-tokens allow, all captured before serving starts; they remove the eager forward's "
@@ -280,14 +281,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static engine: compile the target's norms and MLPs with torch.compile, so that their "
                    "elementwise work is one kernel each (default: on a GPU, where it cut 7B passes by 8 to 13%%; "
                    "compiling adds seconds to the start and needs a C compiler; where it fails, the server warns "
-                   "and runs them as they are)")
+                   "and runs them as they are, as on a CPU, whose row-invariant linear layers cannot be compiled)")
     s.add_argument("--prefix-cache-mb", type=float, default=256,
                    help="dynamic engine: memory for recent prompts' keys and values (default 256 MB; 0: none). A "
                    "session whose prompt begins as another prompt did (a chat template's system turn, at least 8 "
                    "tokens) starts from those positions instead of computing them: over the benchmark's prompts on one "
                    "core of an Intel Xeon, server-only time to first token 518 ms against 884. A prompt takes only what it "
-                   "shares with other prompts, not its own earlier keys; the same bits in bf16 on a CPU, elsewhere "
-                   "(fp32, a GPU) up to rounding, as in a batch")
+                   "shares with other prompts, not its own earlier keys; the same bits on a CPU, on a GPU up to "
+                   "rounding, as in a batch")
     s.add_argument("--static-max-len", type=int, default=2048,
                    help="static engine: KV positions per session; a session's context (prompt + output) is this less the "
                    "widest feed of a pass, which stays free past its last token (edges see it in Opened.max_context)")
@@ -313,10 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-linear",
         choices=["auto", "onnxruntime", "default"],
         default="auto",
-        help="auto (default): ONNX Runtime's GEMM for the large linear layers when serving fp32 on CPU (a pass "
-        "over 2 to 16 tokens takes about half the time, a one-token step up to a third less; holds a packed copy "
-        "of the weights), for each layer shape where a probe at load finds it gives a row the same bits in any "
-        "pass; onnxruntime: the same; default: PyTorch's (oneDNN)",
+        help="auto (default): ONNX Runtime's GEMM for the large linear layers when serving fp32 on CPU (against "
+        "PyTorch's plain GEMM, a pass over 2 to 16 tokens took about half the time, a one-token step up to a "
+        "third less; holds a packed copy of the weights), for each layer shape where a probe at load finds it "
+        "keeps a row's bits over as many rows as PyTorch's kernel does; onnxruntime: the same; default: "
+        "PyTorch's (oneDNN)",
     )
     s.add_argument(
         "--idle-policy",

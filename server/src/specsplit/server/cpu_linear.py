@@ -69,7 +69,6 @@ class OnnxRuntimeProduct:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, threads: int) -> None:
         if weight.dtype != torch.float32:
             raise ValueError(f"ONNX Runtime's linear layers take fp32 weights, not {weight.dtype}")
-        self.out_features = weight.shape[0]
         # Gemm with transB takes PyTorch's (out, in) weight as it is, handed over without a copy
         # (so the arrays are kept here); the session packs its own copy once, when it is built.
         self._inits = {"w": weight.detach().numpy()}
@@ -78,9 +77,9 @@ class OnnxRuntimeProduct:
         options = _session_options(threads)
         options.add_external_initializers(list(self._inits),
                                           [ort.OrtValue.ortvalue_from_numpy(a) for a in self._inits.values()])
-        model = gemm_model(weight.shape[1], self.out_features, self._inits)
+        model = gemm_model(weight.shape[1], weight.shape[0], self._inits)
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        (y,) = self.session.run(None, {"x": rows.contiguous().numpy()})
+        (y,) = self.session.run(None, {"x": rows.detach().contiguous().numpy()})
         return torch.from_numpy(y)

@@ -11,10 +11,10 @@ Only what a prompt shares with a *different* prompt is taken, never its own earl
 past that: this is a cache of what requests have in common, not of whole requests, and a
 benchmark that runs the same prompt in several modes gives each mode the same start.
 
-In bf16 on CPU, made row-invariant, a position's keys and values are the same bits computed
-in another prompt's prefill (`tests/test_prefix_cache.py`). In fp32 and on a GPU in bf16,
-where rows depend on the pass they were computed in, reused keys differ from recomputed ones
-by rounding, as a batch's do (in fp32 about 1e-5, no greedy choice flipped in the tests).
+On CPU, made row-invariant (bf16 and fp32), a position's keys and values are the same bits
+computed in another prompt's prefill (`tests/test_prefix_cache.py`). On a GPU, where rows
+depend on the pass they were computed in, reused keys differ from recomputed ones by
+rounding, as a batch's do.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ depend only on the pass's shape:
 
 So every linear takes its rows at most as many at a time as this machine's kernel keeps a
 row's bits over (measured when the layer is built: kernel_probe.py), at most INVARIANT_ROWS,
-and at least MIN_ROWS, a short piece padded with copies of a row (the weights are read once
+and at least MIN_ROWS (one through ONNX Runtime's GEMM, fp32's), a short piece padded with
+copies of a row (the weights are read once
 either way, and oneDNN's kernel for one or two rows is slower than for four); a pass over more
 rows reads the weights once per piece, which a prompt's prefill and a large batch pay for (a
 44-token prefill of the default target: 616 ms against 469 on one core of that Xeon).
@@ -120,6 +121,8 @@ class RowInvariantLinear(nn.Module):
         return isinstance(self.form, int)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # no row to pad a piece with
+            return x.new_empty(*x.shape[:-1], self.out_features)
         pieces = [self._piece(piece) for piece in x.reshape(-1, self.in_features).split(self.rows)]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -168,6 +171,7 @@ def _best_form(weight: torch.Tensor, bias: torch.Tensor | None, forms: list[Form
             # 0: this build cannot make it (asked once per shape, not once per layer)
             _kept[key] = 0 if probe is None else rows_kept(probe, weight.shape[1], weight.dtype, INVARIANT_ROWS,
                                                            _fewest(form))
+            del probe  # a vocabulary projection's probe holds gigabytes in fp32: one at a time
             if 0 < _kept[key] < INVARIANT_ROWS:
                 log.info("%s products of %s weights (%s) keep a row's bits over %d rows on this machine",
                          kind, shape, _form_name(form), _kept[key])
@@ -178,10 +182,10 @@ def _best_form(weight: torch.Tensor, bias: torch.Tensor | None, forms: list[Form
         if best[1] == INVARIANT_ROWS:
             break
     assert best is not None  # the plain weight is always there
-    if probed and best[1] < _fewest(best[0]):
+    if probed and best[1] == 1:
         log.warning("%s products of %s weights give a row other bits among other rows on this machine: "
                     "they go one row at a time, and verification passes cost about a one-token step a "
-                    "token", kind, shape)
+                    "token%s", kind, shape, " (--dtype fp32 may serve faster)" if weight.dtype == torch.bfloat16 else "")
     return best
 
 

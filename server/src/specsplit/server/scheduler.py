@@ -577,6 +577,8 @@ class VerificationWorker:
         return results, spent, False
 
     def _deliver_pass(self, batch: list[Share], results: list, elapsed: float) -> None:  # type: ignore[type-arg]
+        if len(results) != len(batch):  # an engine's bug: which result is whose is unknown
+            results = [RuntimeError(f"the engine returned {len(results)} results for {len(batch)} sessions")] * len(batch)
         for sh, result in zip(batch, results):
             self.metrics.verify_drafts.observe(len(sh.task.drafts))
             sh.handle.busy_s += elapsed / len(batch)
