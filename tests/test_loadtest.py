@@ -692,3 +692,19 @@ def test_latencies_and_acceptance_are_sampled_within_the_measured_window() -> No
     assert (record.acceptance.accepted, record.acceptance.proposed, record.acceptance.rejections) == (3, 6, 2)
     assert record.ttft_s is None and record.opened_s is None  # before the window opened
     assert record.tokens_in_window == 3
+
+
+def test_a_chunk_a_rejection_cut_off_has_no_verdict_latency() -> None:
+    """Chunk A (positions 10 to 13) and chunk B (14 to 17) go out; A's verdict commits 10 and a
+    correction at 11, so the server drops B; chunk C, drafted again from 12, is verified with
+    position 14. B got no verdict: before, it was counted as waiting 190 ms for C's."""
+    from loadtest.timeline import verdict_latency_ms
+
+    timeline = [("send", 0.0, 10, 4), ("send", 0.01, 14, 4),
+                ("verdict", 0.10, 10, 2, 1, 5.0, 4, 1), ("send", 0.10, 12, 4),
+                ("verdict", 0.20, 12, 4, 4, 5.0, 4, 0)]
+    assert verdict_latency_ms(timeline) == pytest.approx([100.0, 100.0])
+    # Without the rejection (the verdict accepted 10 and 11), B is waiting for the verdict on 14.
+    accepted = [("send", 0.0, 10, 4), ("send", 0.01, 14, 4),
+                ("verdict", 0.10, 10, 4, 4, 5.0, 4, 0), ("verdict", 0.20, 14, 4, 4, 5.0, 4, 0)]
+    assert verdict_latency_ms(accepted) == pytest.approx([100.0, 190.0])

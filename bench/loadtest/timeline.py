@@ -8,6 +8,7 @@ generation started, the same clock as the commit times.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,9 +41,14 @@ def _verdicts(timeline: Sequence[tuple]) -> list[tuple]:
 def verdict_latency_ms(timeline: Sequence[tuple], window: tuple[float, float] = ALWAYS) -> list[float]:
     """For each draft chunk sent: the time until the verdict that commits the chunk's
     first position (accepting or correcting it). Chunks whose first position the
-    generation never reached (it ended first) have none."""
+    generation never reached (it ended first) have none, and so do chunks a rejection cut
+    off before they were verified: a verdict between the send and that one rejected a draft
+    before the chunk's first position, the server dropped the chunk, and the position was
+    committed by a later chunk's verdict (counted for that chunk)."""
     verdicts = [v for v in _verdicts(timeline) if v[3] > 0]
     ends = [v[2] + v[3] for v in verdicts]  # increasing: each verdict commits the positions after the last
+    times = [v[1] for v in verdicts]
+    cuts = [0, *itertools.accumulate(v[7] > 0 for v in verdicts)]  # verdicts that rejected, before each
     out = []
     for event in timeline:
         if event[0] != "send":
@@ -50,7 +56,8 @@ def verdict_latency_ms(timeline: Sequence[tuple], window: tuple[float, float] = 
         _, sent, position, _ = event
         i = bisect.bisect_right(ends, position)
         if i < len(verdicts) and verdicts[i][2] <= position and verdicts[i][1] >= sent and in_window(verdicts[i][1], window):
-            out.append((verdicts[i][1] - sent) * 1000)
+            if cuts[i] == cuts[min(i, bisect.bisect_right(times, sent))]:  # no rejection reached the edge since
+                out.append((verdicts[i][1] - sent) * 1000)
     return out
 
 
