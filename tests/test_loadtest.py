@@ -297,6 +297,8 @@ def test_sweep_report_has_the_required_fields(running, tmp_path) -> None:
     summary = got["summary"]
     assert summary["errors"] == {"total": 0, "by_code": {}} and summary["mismatched_outputs"] == 0
     assert summary["baseline_sessions_at_slo"] == summary["split_sessions_at_slo"] == 2
+    # Each met the SLO at its last point: the limit is that many or more, which the JSON says too.
+    assert summary["baseline_limit"] == summary["split_limit"] == summary["onnx_limit"] == "beyond"
     for mode in ("none", "sim", "onnx"):
         point = got["results"][mode][-1]
         for key in ("session_tok_s", "server_tok_s", "ttft_ms", "itl_ms", "verdict_latency_ms", "errors", "server",

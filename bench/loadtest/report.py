@@ -30,6 +30,11 @@ def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results:
         "baseline_sessions_at_slo": sessions_at_slo(results["none"]) if "none" in results else None,
         "split_sessions_at_slo": sessions_at_slo(results["sim"]) if "sim" in results else None,
         "onnx_sessions_at_slo": sessions_at_slo(results["onnx"]) if "onnx" in results else None,
+        # What each count above means (sweep.slo_limit): "beyond" is that many or more; "below"
+        # and "unknown" read 0 but are no measure of 0.
+        "baseline_limit": slo_limit(results["none"]) if "none" in results else None,
+        "split_limit": slo_limit(results["sim"]) if "sim" in results else None,
+        "onnx_limit": slo_limit(results["onnx"]) if "onnx" in results else None,
         "errors": {"total": sum(errors.values()), "by_code": dict(errors)},
         "mismatched_outputs": sum(p["mismatched_outputs"] for points in results.values() for p in points),
     }

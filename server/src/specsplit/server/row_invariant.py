@@ -153,6 +153,8 @@ def _at_least(rows: torch.Tensor, dim: int, fewest: int = MIN_ROWS) -> torch.Ten
     return torch.cat((rows, last.expand(*[short if d == dim else -1 for d in range(rows.dim())])), dim)
 
 
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # as --dtype names them, in log lines
+
 # Rows kept, by (form, weight shape, dtype, bias, threads): a model's layers share a few
 # shapes, and each is probed once per form, on a weight made for it.
 _kept: dict[tuple, int] = {}
@@ -162,7 +164,7 @@ def _best_form(weight: torch.Tensor, bias: torch.Tensor | None, forms: list[Form
     """The form the layer's products take, and how many rows a product may take."""
     best: tuple[Form, int] | None = None
     probed = False  # here, for this shape: the first layer of its shape says what was found
-    shape, kind = "x".join(map(str, weight.shape)), str(weight.dtype).removeprefix("torch.")
+    shape, kind = "x".join(map(str, weight.shape)), _DTYPE_NAMES.get(weight.dtype, str(weight.dtype))
     for form in forms:
         key = (form, tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
         if key not in _kept:
@@ -369,7 +371,7 @@ def make_rows_invariant(model: PreTrainedModel, onnxruntime: bool = False) -> in
         _, kv_heads, dim = kv_shape(model.config)
         heads = model.config.num_attention_heads
         attention = attention_rows(kv_heads, dim, model.dtype)
-        kind = str(model.dtype).removeprefix("torch.")
+        kind = _DTYPE_NAMES.get(model.dtype, str(model.dtype))
         log.info("%s on CPU made row-invariant: %d linear layers (%d through ONNX Runtime's GEMM), products of %s "
                  "rows at most, attention's of %d (the kernel probed in %.1f s)", kind, replaced, through,
                  "/".join(map(str, rows)), attention, time.perf_counter() - started)
