@@ -392,6 +392,17 @@ def test_load_test_edges_adapt_their_lookahead_unless_told_not_to(adaptive) -> N
     assert _window({"window": 12, "adaptive_window": adaptive}) == ("adaptive, at most 12" if adaptive else "12, fixed")
 
 
+def test_paced_simulated_edges_weigh_no_branches() -> None:
+    """Their one-hot logits never offer a runner-up worth a branch, and weighing one over the
+    vocabulary at every draft loaded the load generator; unpaced ones branch as edges do."""
+    def branches(delay_ms: float, kind: str = "sim") -> int:
+        settings = LoadSettings(draft_delay_ms=delay_ms, duration_s=None, generations=1)
+        return _Session(LoadSpec(ServerEndpoint("localhost:1"), ((1, 2),), ((3,),), "", 10, settings), 0, kind).cfg.branches
+
+    assert branches(5.0) == 0
+    assert branches(0.0) == branches(5.0, "none") == EdgeConfig().branches > 0
+
+
 def test_a_repeated_point_meets_the_slo_only_if_every_run_does() -> None:
     def run(slowest: float, errors: dict[str, int]) -> dict:
         return {"session_tok_s": {"min": slowest, "p50": slowest + 3}, "server_tok_s": 100 * slowest,

@@ -179,8 +179,12 @@ class _Session:
         self.spec = spec
         self.log = SessionLog(index, kind, process=process)
         load = spec.settings
+        # A paced simulated drafter gives one-hot logits, whose runner-up never reaches a branch's
+        # chance: weighing one over the whole vocabulary at every draft (2 ms) would only load
+        # the load generator's event loop.
+        paced = kind == "sim" and load.draft_delay_ms > 0
         self.cfg = EdgeConfig(mode=KINDS[kind], window=load.window, adaptive_window=load.adaptive_window,
-                              max_new_tokens=load.max_new_tokens, timeline=True)
+                              max_new_tokens=load.max_new_tokens, timeline=True, **({"branches": 0} if paced else {}))
         self.rng = random.Random(load.seed * 1_000_003 + index)
         self.branch_rng = random.Random(load.seed * 1_000_003 + index + 500_009)
         # Built before the clock starts: an ONNX session takes a while to create.
