@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--generations", type=at_least(1), help="instead of --duration: generations per session per point")
     p.add_argument("--ramp", type=at_least(0, float), default=0.0,
                    help="seconds over which a point's sessions start, spread evenly, as devices arriving one after "
-                   "another (default 0: all at once); the measured --duration begins when the last has started "
-                   "(with --generations, everything counts)")
+                   "another (default 0: all at once; of N sessions the last starts (N-1)/N of the way through); the "
+                   "measured --duration begins when the ramp is over (with --generations, everything counts)")
     p.add_argument("--warmup", type=at_least(0, float), default=0.0,
                    help="seconds after the ramp before the measured window opens, so that the start-up's prefills "
                    "and waits are left out; needs --duration (default 0)")
