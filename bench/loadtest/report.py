@@ -176,7 +176,7 @@ def render_markdown(report: dict, name: str) -> str:
         arrival = f"sessions start spread evenly over {ramp:g} s, and every generation counts"
     else:
         arrival = (f"sessions start spread evenly over {ramp:g} s and are measured from {warmup:g} s after the "
-                   "last has started")
+                   "ramp ends")
     # Reports from before the choice: a new call for every generation.
     calls = ("a new call for every generation" if s.get("call_per_generation", True)
              else "its generations one after another on one stream")

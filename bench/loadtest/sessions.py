@@ -42,7 +42,7 @@ class LoadSettings:
     duration_s: float | None = 10.0  # the measured window: generations are started until its end and run on
     generations: int | None = None  # instead of a duration: this many per session
     # Sessions start spread evenly over this many seconds, as devices arriving one after
-    # another do (0: all at once); the window opens when the last has started.
+    # another do (0: all at once); the window opens when the ramp is over.
     ramp_s: float = 0.0
     warmup_s: float = 0.0  # and this much later still: the start-up's prefills and waits left out
     # Each generation on a call of its own, as edges did before they kept their stream
