@@ -132,9 +132,9 @@ class RowInvariantLinear(nn.Module):
 
 
 def _fewest(form: Form) -> int:
-    """ONNX Runtime's GEMM gave a lone row the bits it gets among others on every CPU measured,
-    and is about as quick over one row as over four; oneDNN's and PyTorch's kernels take one or
-    two rows through other, slower paths (MIN_ROWS)."""
+    """ONNX Runtime's GEMM gave a lone row the bits it gets among others on the CPU measured (an
+    AMD EPYC; the probe checks it on each machine), and a lone row costs it less than four do;
+    oneDNN's and PyTorch's kernels take one or two rows through other, slower paths (MIN_ROWS)."""
     return 1 if form == ONNXRUNTIME else MIN_ROWS
 
 
