@@ -26,7 +26,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dtype = resolve_dtype("auto", "cpu")
-    target = load_model(args.target, dtype=dtype, onnxruntime_linears=dtype == "fp32")  # as serve loads it
+    target = load_model(args.target, dtype=dtype, onnxruntime_linears=True)  # as serve loads it
     draft = load_model(args.draft, dtype=dtype, rows_invariant=False)  # transformers' own: the server never runs it
     tok = target.tokenizer
     for prompt in args.prompts:

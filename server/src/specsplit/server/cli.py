@@ -109,11 +109,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, args.device)
     log.info("loading target %s (%s on %s, %s engine)", args.target, dtype, args.device, args.engine)
-    onnxruntime = args.cpu_linear == "onnxruntime" or (args.cpu_linear == "auto" and args.device == "cpu"
-                                                       and dtype == "fp32")
     try:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format,
-                            onnxruntime_linears=onnxruntime)
+                            onnxruntime_linears=args.cpu_linear != "default")  # it takes fp32 on CPU only
     # No such path, a hub id that cannot be fetched, a partial checkpoint, a file that is no model.
     except (OSError, MissingWeights, UnreadableModel) as exc:
         return _refuse(args, f"cannot load the target {args.target}: {exc}")
