@@ -32,11 +32,11 @@ from loadtest.harness import RunOptions, started, sweep_and_report
 from loadtest import point as point_module
 from loadtest.point import ServerHandle, run_point
 from loadtest.prompts import load_prompts
-from loadtest.report import _window, limit_text, render_markdown, write_report
+from loadtest.report import _lag, _window, limit_text, render_markdown, write_report
 from loadtest.sessions import (GenerationRecord, LoadRun, LoadSettings, LoadSpec, SessionLog, _Session,
                                committed_between, run_sessions)
 from loadtest.simdraft import PacedSimulatedDrafter, SimulatedDrafter
-from loadtest.summary import by_process, session_speeds, summarize
+from loadtest.summary import by_process, server_figures, session_speeds, summarize
 from loadtest import sweep as sweep_module
 from loadtest.sweep import (INTERRUPTED, SweepConfig, reference_continuations, repeated_point, sessions_at_slo,
                             slo_limit)
@@ -520,6 +520,26 @@ def test_a_server_already_running_is_loaded_over_its_mutual_tls_with_its_token(t
     other.shutdown()
 
 
+def test_a_loop_lag_past_the_last_bucket_is_written_as_json_can_read_it() -> None:
+    """A p99 in the +Inf bucket was written as its bound: Infinity, which is not JSON."""
+    name = "specsplit_event_loop_lag_seconds"
+
+    def snap(count: float, per_bucket: dict[str, float]) -> dict:
+        out, seen = {(f"{name}_count", ()): count, (f"{name}_sum", ()): count * 6.0}, 0.0
+        for le, n in per_bucket.items():
+            seen += n
+            out[(f"{name}_bucket", (("le", le),))] = seen
+        return out
+    before = snap(0, {"0.05": 0, "5.0": 0, "+Inf": 0})
+    late = server_figures(before, snap(100, {"0.05": 0, "5.0": 0, "+Inf": 100}), 1.0, None, None)
+    json.dumps(late, allow_nan=False)
+    assert (late["loop_lag_p99_below_ms"], late["loop_lag_p99_above_ms"]) == (None, 5000.0)
+    assert _lag(late) == "6000.0 / > 5000"
+    prompt = server_figures(before, snap(100, {"0.05": 99, "5.0": 1, "+Inf": 0}), 1.0, None, None)
+    assert (prompt["loop_lag_p99_below_ms"], prompt["loop_lag_p99_above_ms"]) == (50.0, None)
+    assert _lag(prompt) == "6000.0 / ≤ 50"
+
+
 def test_a_sweep_that_fails_reports_the_points_that_finished(running, monkeypatch) -> None:
     """A load generator that fails partway (a worker process gone, say) lost every point
     finished before, hours of them on a GPU sweep."""
@@ -617,10 +637,16 @@ def test_a_limit_the_sweep_did_not_find_is_said_so_and_the_ratio_is_a_bound_or_u
     # A point that served nothing (the server gone) ends the sweep but is no miss.
     assert limit(_points(True, None)) == ("beyond", "4 or more (the most tried)")
     assert limit(_points(None))[0] == "unknown"
-    # "Stopped" is said of the mode whose sweep stopped (the last swept), not of one that ran to its end.
+    # "Stopped" is said of the mode whose sweep stopped, not of one that ran to its end; reports
+    # from before "stopped_in" take the last mode swept.
     stopped = _report(_points(True, True), _points(True, True), stopped="interrupted")
     assert (limit_text(stopped, "none"), limit_text(stopped, "sim")) == (
         "8 or more (the most tried)", "8 or more (the most tried before the sweep stopped)")
+    # A sweep stopped at sim's first point: none ran to its end (before, its last point read as
+    # the most tried before the stop, since sim had no point to take the blame).
+    at_first = {**_report(_points(True, True), [], stopped="sim with 4 session(s) failed"), "stopped_in": "sim"}
+    del at_first["results"]["sim"]
+    assert limit_text(at_first, "none") == "8 or more (the most tried)"
     found = capacity(_report(_points(True, False), _points(True, True, False)))
     assert (found["ratio"], found["ratio_kind"]) == (2.0, "exact")
     beyond = capacity(_report(_points(True, False), _points(True, True, True)))

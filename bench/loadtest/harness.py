@@ -190,12 +190,12 @@ def sweep_and_report(running: Running, opts: RunOptions, cfg: SweepConfig, setti
             references = reference_continuations(endpoint, prompts, settings.max_new_tokens, log)
         spec = LoadSpec(endpoint, prompts.ids, references, prompts.fingerprint, running.opened.vocab_size, settings,
                         str(running.draft_dir) if running.draft_dir else None)
-        results, stopped = sweep(running.server, spec, cfg, workers, log)
+        results, stop = sweep(running.server, spec, cfg, workers, log)
     finally:
         if workers is not None:
             workers.close()
     setup = {**running.setup, "prompt_set": opts.prompt_set, "prompts": list(prompts.texts), "rerun": opts.rerun}
-    return build_report(setup, cfg, settings, results, stopped)
+    return build_report(setup, cfg, settings, results, stop)
 
 
 def execute(opts: RunOptions, cfg: SweepConfig, settings: LoadSettings, log: Callable[[str], None] = print) -> dict:

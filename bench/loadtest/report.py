@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loadtest.prompts import PROMPT_SETS
 from loadtest.sessions import LoadSettings
-from loadtest.sweep import SweepConfig, sessions_at_slo, slo_limit
+from loadtest.sweep import Stop, SweepConfig, sessions_at_slo, slo_limit
 
 MODE_TITLES = {
     "none": "server only (mode none)",
@@ -18,10 +18,10 @@ MODE_TITLES = {
 
 
 def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results: dict[str, list[dict]],
-                 stopped: str | None = None) -> dict:
+                 stop: Stop | None = None) -> dict:
     """`setup`: machine, pinning, models, network, server_args (or server, for a server the
-    load test did not start), prompt_set, prompts, rerun. `stopped`: why the sweep ended
-    early (None: it ran to its end)."""
+    load test did not start), prompt_set, prompts, rerun. `stop`: why and where the sweep
+    ended early (None: it ran to its end)."""
     errors: Counter = Counter()
     for points in results.values():
         for p in points:
@@ -47,7 +47,8 @@ def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results:
                      **asdict(settings)},
         "results": results,
         "summary": summary,
-        "stopped": stopped,
+        "stopped": stop and stop.reason,
+        "stopped_in": stop and stop.mode,  # the mode whose sweep was cut short
     }
 
 
@@ -107,9 +108,14 @@ def _window_read(report: dict) -> bool:
 
 
 def _lag(server: dict) -> str:
-    """The event loop's lag, mean / the bound its p99 lies under (– in reports from before it)."""
+    """The event loop's lag, mean / the bound its p99 lies under, or "> " the last bound where
+    it lies past them all (– in reports from before it)."""
     mean = server.get("loop_lag_mean_ms")
-    return "–" if mean is None else f"{mean:.1f} / ≤ {server['loop_lag_p99_below_ms']:g}"
+    if mean is None:
+        return "–"
+    below, above = server["loop_lag_p99_below_ms"], server.get("loop_lag_p99_above_ms")
+    p99 = f"≤ {below:g}" if below is not None else f"> {above:g}" if above is not None else "–"
+    return f"{mean:.1f} / {p99}"
 
 
 def _ttft(p: dict) -> str:
@@ -217,7 +223,8 @@ def render_markdown(report: dict, name: str) -> str:
         "server verified no drafts); these and TTFT are sampled within the measured window, each where it ends "
         "(a first token, the later of a gap's tokens, a verdict)",
         "- loop lag: how late the server's event loop ran a timer due every 50 ms, mean / the histogram bucket its "
-        "p99 lies under; every call, message and verdict waits about that long in the loop",
+        "p99 lies under (> its last bound where it lies past them all); every call, message and verdict waits about "
+        "that long in the loop",
         "- batch: mean sessions per target pass; pass: mean target pass time; loop lag: see above; these cover "
         + ("the measured window (the server's metrics read as it opens and closes)" if _window_read(report)
            else "the whole point")
@@ -269,8 +276,9 @@ def limit_text(report: dict, mode: str) -> str:
         return f"fewer than {points[0]['sessions']} (the fewest tried missed it)"
     count = sessions_at_slo(points)
     if limit == "beyond":
-        # Where the sweep stopped early, in this mode's sweep (the last mode swept) or not.
-        stopped = report.get("stopped") and mode == list(report["results"])[-1]
+        # Where the sweep stopped early, in this mode's sweep or not (reports from before
+        # "stopped_in": the last mode with a point, which a stop at a mode's first point misnames).
+        stopped = report.get("stopped") and mode == report.get("stopped_in", list(report["results"])[-1])
         return f"{count} or more (the most tried" + (" before the sweep stopped)" if stopped else ")")
     return str(count)
 

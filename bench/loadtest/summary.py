@@ -2,6 +2,7 @@
 session and message, acceptance, errors, and the server's own counters."""
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 
@@ -86,19 +87,25 @@ def _acceptance(sessions: list[SessionLog], kind: str, spec: LoadSpec) -> dict:
     return {"alpha_set": spec.settings.alpha, **out} if kind == "sim" else out
 
 
-def _bucket_bound(hist: dict, q: float) -> float | None:
-    """The upper bound (ms) of the bucket where a histogram's q-quantile falls; None if empty."""
+def _quantile_bucket(hist: dict, q: float) -> tuple[float | None, float | None]:
+    """Where a histogram's q-quantile falls, in ms: (the upper bound of its bucket, None), or
+    (None, the last finite bound) where it lies past every bound; (None, None) if empty. JSON
+    has no infinity: a bound of +Inf written as a number would make the report unreadable to
+    strict parsers."""
     if not hist.get("count"):
-        return None
-    seen = 0.0
+        return None, None
+    seen, last = 0.0, None
     for le, n in hist["buckets"].items():
         seen += n
+        bound = float(le)
         if seen >= q * hist["count"]:
-            return float(le) * 1000
-    return None
+            return (bound * 1000, None) if math.isfinite(bound) else (None, last)
+        last = bound * 1000 if math.isfinite(bound) else last
+    return None, last
 
 
-def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float | None, rss_peak: float | None) -> dict:
+def server_figures(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float | None, rss_peak: float | None) -> dict:
+    """The server's figures from its metrics `before` and `after`, `wall_s` apart; KV and RSS peaks in bytes."""
     # {} where the server lacks a histogram (batch tokens: newer servers only).
     passes = histogram_delta(before, after, "specsplit_verification_seconds") or {}
     batch = histogram_delta(before, after, "specsplit_verification_batch_sessions") or {}
@@ -106,6 +113,7 @@ def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float | N
     drafts = histogram_delta(before, after, "specsplit_verification_drafts") or {}
     lag = histogram_delta(before, after, "specsplit_event_loop_lag_seconds") or {}
     mean_pass = passes.get("mean")
+    lag_below, lag_above = _quantile_bucket(lag, 0.99)
     return {
         "tokens_committed": counter_delta(before, after, "specsplit_tokens_committed"),
         "passes": passes.get("count"),
@@ -116,7 +124,8 @@ def _server(before: Snapshot, after: Snapshot, wall_s: float, kv_peak: float | N
         "batch_tokens_mean": batch_tokens.get("mean"),
         "drafts_per_verification_mean": drafts.get("mean"),
         "loop_lag_mean_ms": lag["mean"] * 1000 if lag.get("mean") is not None else None,
-        "loop_lag_p99_below_ms": _bucket_bound(lag, 0.99),
+        "loop_lag_p99_below_ms": lag_below,
+        "loop_lag_p99_above_ms": lag_above,  # set only where the p99 lies past the last bound
         "kv_peak_mb": None if kv_peak is None else kv_peak / MB,
         "rss_peak_mb": None if rss_peak is None else rss_peak / MB,
     }
@@ -157,7 +166,7 @@ def summarize(run: LoadRun, spec: LoadSpec, before: Snapshot, after: Snapshot, k
         "acceptance": {kind: _acceptance(sessions, kind, spec) for kind in kinds if kind != "none"},
         "mismatched_outputs": sum(not r.matches_reference for r in records),
         "errors": {"total": sum(errors.values()), "by_code": dict(errors)},
-        "server": {**_server(before, after, server_span_s or wall, kv_peak, rss_peak),
+        "server": {**server_figures(before, after, server_span_s or wall, kv_peak, rss_peak),
                    "covers": "the measured window" if server_span_s else "the whole point"},
         "client": {"procs": client_procs, "cores": cores, "cpu_cores_busy": busy,
                    "saturated": busy >= SATURATED * cores},
