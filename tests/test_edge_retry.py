@@ -21,6 +21,8 @@ def _refused(code: grpc.StatusCode, *trailing: tuple[str, str]) -> grpc.aio.AioR
     (_refused(grpc.StatusCode.INTERNAL), 0.5),  # a server's end racing the edge's writes reads so
     (grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
                           "verification failed: out of memory"), None),  # the server's own failure
+    (grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                          "server fault: failed on a message of the stream"), None),  # the same
     (StreamStalled("nothing for 60 s"), 0.5),
     (ConnectionError("ended before Done"), 0.5),
     (_refused(grpc.StatusCode.RESOURCE_EXHAUSTED, ("grpc-retry-pushback-ms", "1500")), 1.5),

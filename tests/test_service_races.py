@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
+
 from specsplit.protocol.messages import ServerLimits, Verdict
+from specsplit.protocol.server_session import ServerConnection
+from specsplit.edge.retry import retry_delay
 from specsplit.server import service
 from specsplit.server.config import ServeConfig
 from specsplit.server.engine import KVState
@@ -218,6 +222,41 @@ def test_a_closed_session_leaves_the_worker_at_once() -> None:
     assert asyncio.run(main()) == [0, 0, 0]
 
 
+def test_a_finished_session_the_worker_still_holds_leaves_it_at_the_next_open() -> None:
+    """A session's last delivery found its outbox full (the session done, left in the worker
+    for its servicer to remove) and the edge's next Open came in the same loop turn: the
+    servicer removed only the session then open, and the finished one held its KV cache and
+    its place under --max-sessions for good."""
+    next_open = asyncio.Event()
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield OPEN
+        await next_open.wait()
+        yield OPEN
+        await asyncio.sleep(60)
+
+    async def main() -> list[str]:
+        worker = Worker()
+        svc = _service(worker)
+        conn = ServerConnection(svc.limits, "s")
+        reader = asyncio.create_task(svc._read(requests(), conn, asyncio.Queue(), asyncio.current_task()))
+        for _ in range(1000):
+            if worker.sessions:
+                break
+            await asyncio.sleep(0)
+        worker.sessions["s"].session.cancel()  # done as a delivery leaves it: still in the worker
+        next_open.set()
+        for _ in range(1000):
+            if "s.2" in worker.sessions:
+                break
+            await asyncio.sleep(0)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        return sorted(worker.sessions)
+
+    assert asyncio.run(main()) == ["s.2"]
+
+
 class _AbortingContext(_Context):
     """gRPC's context as far as an abort: it ends the handler, as grpc.aio's does."""
 
@@ -255,7 +294,11 @@ def test_a_fault_of_the_server_reading_the_stream_fails_the_call() -> None:
 
     aborted = asyncio.run(main())
     assert aborted.code.name == "INTERNAL"
-    assert "a bug in the engine" in aborted.details
+    # Said to be the server's own fault, not its target's (which it was worded as before); an
+    # edge retries neither.
+    assert aborted.details.startswith("server fault: ") and "a bug in the engine" in aborted.details
+    assert retry_delay(grpc.aio.AioRpcError(aborted.code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                            aborted.details), 1.0) is None
 
 
 def test_a_finished_resume_is_answered_by_a_full_or_draining_server() -> None:

@@ -13,8 +13,9 @@ from specsplit.protocol import errors
 # INTERNAL too: gRPC's Python client reports a call that its server ends while the client is
 # still writing (a draining server's last streams, now and then) as INTERNAL, not as the
 # status the server sent; and a re-opened generation loses nothing, so retrying is safe. A
-# server's own INTERNAL (its target failed the session's verification: errors.VERIFICATION_FAILED)
-# is not retried: it would most likely fail again, after every backoff.
+# server's own INTERNAL (its target failed the session's verification, or it failed on a
+# message of the stream: errors.SERVERS_OWN_FAILURES) is not retried: it would most likely
+# fail again, after every backoff.
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
 # What a server answers an Open with when it takes no session at all (draining, full): the
 # same server will answer a new call alike, so a kept call that fails so moves on (Attempt._open).
@@ -64,7 +65,7 @@ def retry_delay(exc: Exception, backoff: float, servers: int = 1) -> float | Non
     details = exc.details() or ""
     if servers == 1 and handshake_failed(details):
         return None
-    if exc.code() == grpc.StatusCode.INTERNAL and details.startswith(errors.VERIFICATION_FAILED):
+    if exc.code() == grpc.StatusCode.INTERNAL and details.startswith(errors.SERVERS_OWN_FAILURES):
         return None
     if exc.code() in RETRYABLE:
         return backoff

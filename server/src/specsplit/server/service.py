@@ -49,6 +49,11 @@ def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
     )
 
 
+class _ReaderFault(Exception):
+    """The server's own failure on a message its stream's reader took in; any other exception
+    in an outbox is the verification worker's (its target failed the session)."""
+
+
 class SpecSplitService:
     def __init__(
         self, worker: VerificationWorker, limits: ServerLimits, cfg: ServeConfig, metrics: ServerMetrics
@@ -91,6 +96,7 @@ class SpecSplitService:
                     raise errors.MalformedMessage("message does not parse as a specsplit.v1.EdgeMessage") from None
                 event = codec.edge_from_pb(msg)
                 opening = isinstance(event, OpenRequest) and conn.idle
+                previous = conn.session
                 # An Open is validated here, before admission: a malformed one is refused as
                 # such, full server or not, not with a status the edge would retry.
                 out = conn.receive(event)
@@ -116,6 +122,10 @@ class SpecSplitService:
                         self.admitting -= 1
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
+                    if previous is not None:
+                        # Done, but still in the worker where its last delivery found a full
+                        # outbox: its servicer would remove only the session now open.
+                        self.worker.remove(previous.session_id)
                     pace = PaceLog.for_next(pace, time.monotonic())
                     kv = self.worker.engine.new_state(conn.session.request.prompt_ids)
                     if kv.tokens:
@@ -139,7 +149,7 @@ class SpecSplitService:
             await outbox.put(exc)
         except Exception as exc:  # the server's own fault: the call fails with it rather than wait on the outbox
             log.exception("stream %s: the server failed on one of its messages", conn.stream_id)
-            await outbox.put(RuntimeError(f"the server failed on a message of the stream ({exc!r})"))
+            await outbox.put(_ReaderFault(f"failed on a message of the stream ({exc!r})"))
 
     async def Generate(  # noqa: N802 (gRPC's method name)
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -199,7 +209,8 @@ class SpecSplitService:
                 if isinstance(item, Exception):
                     reason = "error"
                     self.metrics.errors.labels("INTERNAL").inc()
-                    await context.abort(grpc.StatusCode.INTERNAL, f"{errors.VERIFICATION_FAILED}: {item}")
+                    what = errors.SERVER_FAULT if isinstance(item, _ReaderFault) else errors.VERIFICATION_FAILED
+                    await context.abort(grpc.StatusCode.INTERNAL, f"{what}: {item}")
                 if isinstance(item, Opened):
                     session = item.session_id
                     if conn.session is not None:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 # gRPC's server pushback: trailing metadata that tells a client to retry after this many ms.
 PUSHBACK_METADATA = "grpc-retry-pushback-ms"
-# How the details of an INTERNAL status begin when the server's target failed a session's
-# verification, or the server failed on a message of the stream: the server's own failure,
-# which an edge does not retry (unlike an INTERNAL that gRPC's client makes of a call ended
+# How the details of an INTERNAL status begin when the server failed on its own account: its
+# target failed the session's verification, or the server failed on a message of the stream.
+# An edge does not retry these (unlike an INTERNAL that gRPC's client makes of a call ended
 # while it was writing).
 VERIFICATION_FAILED = "verification failed"
+SERVER_FAULT = "server fault"
+SERVERS_OWN_FAILURES = (VERIFICATION_FAILED, SERVER_FAULT)
 
 
 class ProtocolError(Exception):
