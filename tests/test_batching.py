@@ -30,7 +30,7 @@ from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerSession
 from specsplit.common.prefix import common_prefix
-from specsplit.server.engine import KVState, TargetEngine, VerifyItem, warm_up
+from specsplit.server.engine import KVState, TargetEngine, VerifyItem, pass_groups, warm_up
 from specsplit.server import loading, row_invariant
 from specsplit.server.loading import load_model, native_bf16, resolve_dtype
 from specsplit.server.pace import PaceLog
@@ -101,6 +101,46 @@ def test_a_batch_gives_every_session_its_own_logits(tiny, kind) -> None:
     assert worst == 0 if kind == "dynamic" else worst < 1e-3, worst
     if kind != "dynamic":
         assert kv_lens == {128, 200}  # passes of short rows attended over the smaller bucket
+
+
+def test_a_pass_whose_padded_cache_is_over_its_limit_goes_as_several_with_the_same_rows(tiny) -> None:
+    """Padded to its longest, a pass of one long context among short ones made every row as
+    long; over --max-pass-cache-mb it goes as several passes, and every session gets the
+    bits it gets in the one pass (fresh caches, then grown ones)."""
+    loaded = load_model(str(tiny.target_dir))
+    whole = TargetEngine(loaded)
+    limited = TargetEngine(loaded, max_pass_cache_bytes=300 * whole.position_bytes)
+    passes: list[int] = []
+    run = limited._pass
+
+    def counted(items, past):  # type: ignore[no-untyped-def]
+        feeds = [len(it.prefix) + len(it.drafts) - p for it, p in zip(items, past)]
+        width = len(items) * (max(past) + max(feeds))
+        assert width <= 300 or len(items) == 1, (len(items), past, feeds)
+        passes.append(len(items))
+        return run(items, past)
+    limited._pass = counted  # type: ignore[method-assign]
+    rng = np.random.default_rng(5)
+    prefixes = [list(map(int, rng.integers(0, whole.vocab_size, n))) for n in (140, 6, 8, 5, 130, 9)]
+    states = {engine: [KVState() for _ in prefixes] for engine in (whole, limited)}
+    for _ in range(2):
+        drafts = [list(map(int, rng.integers(0, whole.vocab_size, int(rng.integers(0, 5))))) for _ in prefixes]
+        want, got = (e.verify_batch([VerifyItem(states[e][i], p, d, greedy=i % 2 == 1)
+                                     for i, (p, d) in enumerate(zip(prefixes, drafts))]) for e in (whole, limited))
+        assert all(np.array_equal(w, g) for w, g in zip(want, got))
+        prefixes = [p + d + [3] for p, d in zip(prefixes, drafts)]
+    assert len(passes) > 2 and sum(passes) == 2 * len(prefixes), passes
+
+
+@given(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 40)), min_size=1, max_size=12), st.integers(1, 2000))
+def test_pass_groups_take_every_session_once_within_the_limit(rows, most) -> None:
+    past, feeds = [p for p, _ in rows], [f for _, f in rows]
+    groups = pass_groups(past, feeds, most)
+    assert sorted(i for g in groups for i in g) == list(range(len(rows)))
+    for g in groups:
+        assert len(g) == 1 or len(g) * (max(past[i] for i in g) + max(feeds[i] for i in g)) <= most
+    if len(rows) * (max(past) + max(feeds)) <= most:
+        assert len(groups) == 1
 
 
 def test_kv_buckets_double_up_to_the_slot() -> None:

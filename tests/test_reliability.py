@@ -606,6 +606,9 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--gil-switch-ms", "0"], "--gil-switch-ms must be above 0"),
         (["--target", "/no/such/model", "--fuse"], "it needs --engine static"),
         (["--target", "/no/such/model", "--kv-buckets"], "it needs --engine static"),
+        (["--target", "/no/such/model", "--engine", "static", "--max-pass-cache-mb", "100"],
+         "it needs --engine dynamic"),
+        (["--target", "/no/such/model", "--max-pass-cache-mb", "-1"], "--max-pass-cache-mb must be 0 or more"),
         (["--target", "/no/such/model", "--idle-stream-timeout", "0"], "--idle-stream-timeout must be above 0"),
         (["--target", "/no/such/model", "--max-idle-streams", "-1"], "--max-idle-streams must be 0 or more"),
         # Before any model is loaded (the target here does not exist): a setting that would refuse

@@ -28,6 +28,21 @@ MAX_HEALTH_TIMEOUT_S = 86_400.0
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections while serving (Python's default: 700)
 
 
+def _pass_cache_bytes(given_mb: float, device: str) -> int:
+    """The dynamic engine's limit on a pass's padded KV cache: `given_mb`, or where 0 a quarter
+    of the memory available now (the target loaded) on the device: room for the sessions'
+    own caches and the pass's copies of its padded one."""
+    if given_mb:
+        return int(given_mb * 2**20)
+    import torch
+
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0] // 4
+    import psutil
+
+    return psutil.virtual_memory().available // 4
+
+
 def settle_heap() -> None:
     """Tune the garbage collector for serving, once everything long-lived is loaded.
 
@@ -97,6 +112,9 @@ def _serve(args: argparse.Namespace) -> int:
         return _refuse(args, "--kv-buckets sizes the static engine's passes; it needs --engine static")
     if args.kv_buckets is None:
         args.kv_buckets = args.engine == "static" and kv_buckets_by_default(args.static_max_len)
+    if args.max_pass_cache_mb and args.engine != "dynamic":
+        return _refuse(args, "--max-pass-cache-mb limits the dynamic engine's passes (the static engine's cache is "
+                             "allocated at start); it needs --engine dynamic")
     if args.fuse and args.engine != "static":
         return _refuse(args, "--fuse compiles the static engine's modules; it needs --engine static")
     # The target thread lets go of the GIL in every torch call and must get it back from the
@@ -135,7 +153,12 @@ def _serve(args: argparse.Namespace) -> int:
             engine.capture_graphs(args.max_batch_sessions, args.max_batch_tokens,
                                   progress=ProgressLog(log, "captured CUDA graphs"))
     else:
-        engine = TargetEngine(loaded, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+        pass_cache = _pass_cache_bytes(args.max_pass_cache_mb, args.device)
+        engine = TargetEngine(loaded, prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+                              max_pass_cache_bytes=pass_cache)
+        log.info("a pass's padded KV cache takes at most %.1f GB (%s); a pass that would take more goes as several",
+                 pass_cache / 1e9, "--max-pass-cache-mb" if args.max_pass_cache_mb else
+                 "a quarter of the memory available once the target is loaded")
         if not engine.verifies_branches:
             log.info("the target attends over sliding windows: edges' branches are left unverified")
     t0 = time.monotonic()
@@ -287,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "core of an Intel Xeon, server-only time to first token 518 ms against 884. A prompt takes only what it "
                    "shares with other prompts, not its own earlier keys; the same bits on a CPU, on a GPU up to "
                    "rounding, as in a batch")
+    s.add_argument("--max-pass-cache-mb", type=float, default=0,
+                   help="dynamic engine: the most memory one pass's KV cache may take (default 0: a quarter of the "
+                   "memory available once the target is loaded). A pass pads every session's cache to its longest, "
+                   "so one long context among many short ones would make every row as long; a pass over this goes "
+                   "as several, sessions of like length together (each more reads the weights again; the same bits "
+                   "on a CPU, on a GPU up to rounding, as in a batch)")
     s.add_argument("--static-max-len", type=int, default=2048,
                    help="static engine: KV positions per session; a session's context (prompt + output) is this less the "
                    "widest feed of a pass, which stays free past its last token (edges see it in Opened.max_context)")

@@ -8,7 +8,11 @@ it shares with what it is asked for, so a rejection costs a crop, not a recomput
 
 Many sessions share one forward pass: their caches are left-padded to a common
 length, their new tokens right-padded, and an attention mask hides the padding;
-positions stay each session's own, so every row computes what it would alone.
+positions stay each session's own, so every row computes what it would alone. Padded,
+one long context among short ones makes every row as long (64 sessions beside one of 32k
+positions: some 120 GB for the default target in fp32), so a pass whose padded cache would
+take more than its limit goes as several, sessions of like length together
+(`max_pass_cache_bytes`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache
+from specsplit.server.kvcache import cache_from_tensors, cache_tensors, kv_shape, output_cache
 from specsplit.common.prefix import common_prefix
 from specsplit.server.loading import LoadedModel
 from specsplit.server.prefix_cache import PrefixCache
@@ -164,13 +168,19 @@ def attends_in_windows(config: object) -> bool:
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = 0) -> None:
+    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int = 0, max_pass_cache_bytes: int = 0) -> None:
         """`prefix_cache_bytes`: memory for prompts' keys and values that later sessions whose
-        prompts begin alike start from (prefix_cache.py); 0 keeps none."""
+        prompts begin alike start from (prefix_cache.py); 0 keeps none. `max_pass_cache_bytes`:
+        the most a pass's padded cache may take (0: no limit); a pass that would take more
+        goes as several (pass_groups), each within it but for a session that is over it alone."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        layers, heads, head_dim = kv_shape(self.model.config)
+        # A position's keys and values over all layers, as a pass pads them.
+        self.position_bytes = layers * 2 * heads * head_dim * self.model.dtype.itemsize
+        self.max_pass_positions = max_pass_cache_bytes // self.position_bytes if max_pass_cache_bytes > 0 else None
         # A pass with branches gives the model one mask of its own (_tree_mask), which every
         # layer then takes: sliding-window layers would attend past their window.
         self.verifies_branches = not attends_in_windows(self.model.config)
@@ -205,12 +215,24 @@ class TargetEngine:
         """Per item: its len(drafts) + 1 + branch tokens logit rows (float32), or their argmax
         ids if greedy: the rows after the prefix, after each draft, after each branch token
         (branch by branch)."""
-        seqs = [[*it.prefix, *it.drafts] for it in items]
         past = []
         for it in items:
             keep = it.kv.reusable(it.prefix)
             it.kv.crop(keep)
             past.append(keep)
+        if self.max_pass_positions is None:
+            return self._pass(items, past)
+        results: list[np.ndarray] = [np.empty(0)] * len(items)
+        feeds = [len(it.prefix) + len(it.drafts) + it.branch_tokens - keep for it, keep in zip(items, past)]
+        for group in pass_groups(past, feeds, self.max_pass_positions):
+            for i, result in zip(group, self._pass([items[i] for i in group], [past[i] for i in group])):
+                results[i] = result
+        return results
+
+    def _pass(self, items: Sequence[VerifyItem], past: list[int]) -> list[np.ndarray]:
+        """verify_batch's results for `items`, in one forward pass; `past`: the positions of
+        each item's cache it keeps (cropped to them)."""
+        seqs = [[*it.prefix, *it.drafts] for it in items]
         feeds = [[*seq[keep:], *(t for _, tokens in it.branches for t in tokens)]
                  for seq, keep, it in zip(seqs, past, items)]
         b, width, longest = len(items), max(past), max(len(f) for f in feeds)
@@ -288,6 +310,27 @@ class TargetEngine:
                 if p:
                     batch[:, :, i, :, width - p :] = s.kv
         return cache_from_tensors([(batch[layer, 0], batch[layer, 1]) for layer in range(layers)])
+
+
+def pass_groups(past: Sequence[int], feeds: Sequence[int], most: int) -> list[list[int]]:
+    """The items of a pass (their cached positions `past` and fed tokens `feeds`) in groups
+    whose padded caches, rows x (the longest cache + the longest feed), hold at most `most`
+    positions (an item over it alone goes alone), the longest first: sessions of like length
+    share a pass. One group where the whole pass is within `most`: each more costs a pass
+    over the weights."""
+    everyone = list(range(len(past)))
+    if len(past) * (max(past, default=0) + max(feeds, default=0)) <= most:
+        return [everyone]
+    groups: list[list[int]] = []
+    top = feed = 0  # the last group's longest cache and longest feed
+    for i in sorted(everyone, key=lambda i: -(past[i] + feeds[i])):
+        if groups and (len(groups[-1]) + 1) * (max(top, past[i]) + max(feed, feeds[i])) <= most:
+            groups[-1].append(i)
+            top, feed = max(top, past[i]), max(feed, feeds[i])
+        else:
+            groups.append([i])
+            top, feed = past[i], feeds[i]
+    return groups
 
 
 # The warm-up's prompt and drafts: its passes need 38 positions of a slot (serve_checks.MIN_STATIC_LEN).

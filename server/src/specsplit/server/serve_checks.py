@@ -17,7 +17,7 @@ from specsplit.server.config import ConfigError, SchedulerConfig, ServeConfig, T
 from specsplit.server.listeners import check_port_free
 
 # serve's own settings, which no config holds (the configs check theirs: config.py).
-NOT_NEGATIVE = ("threads", "prefix_cache_mb")
+NOT_NEGATIVE = ("threads", "prefix_cache_mb", "max_pass_cache_mb")
 POSITIVE = ("gil_switch_ms",)
 # The flags of the config fields named otherwise (in other units, some).
 FLAG_OF = {"max_new_tokens": "max_new_tokens_limit", "grace_s": "grace", "stalled_edge_s": "stalled_edge_timeout",
