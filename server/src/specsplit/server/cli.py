@@ -26,21 +26,24 @@ from specsplit.server.policy import WAIT_STEP_S
 log = logging.getLogger("specsplit.server.cli")
 MAX_HEALTH_TIMEOUT_S = 86_400.0
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young collections while serving (Python's default: 700)
+PASS_CACHE_SHARE = 8  # --max-pass-cache-mb 0: this share of the memory available once the target is loaded
 
 
 def _pass_cache_bytes(given_mb: float, device: str) -> int:
-    """The dynamic engine's limit on a pass's padded KV cache: `given_mb`, or where 0 a quarter
-    of the memory available now (the target loaded) on the device: room for the sessions'
-    own caches and the pass's copies of its padded one."""
+    """The dynamic engine's limit on a pass's padded KV cache: `given_mb`, or where 0 an eighth
+    of the memory available now (the target loaded) on the device. A pass holds its padded
+    cache twice over at its peak (the padded copy and the model's with the new positions, or
+    that and the stack the sessions' are cut from), beside the sessions' own caches, which
+    grow as they generate."""
     if given_mb:
         return int(given_mb * 2**20)
     import torch
 
     if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0] // 4
+        return torch.cuda.mem_get_info(torch.device(device))[0] // PASS_CACHE_SHARE
     import psutil
 
-    return psutil.virtual_memory().available // 4
+    return psutil.virtual_memory().available // PASS_CACHE_SHARE
 
 
 def settle_heap() -> None:
@@ -158,7 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
                               max_pass_cache_bytes=pass_cache)
         log.info("a pass's padded KV cache takes at most %.1f GB (%s); a pass that would take more goes as several",
                  pass_cache / 1e9, "--max-pass-cache-mb" if args.max_pass_cache_mb else
-                 "a quarter of the memory available once the target is loaded")
+                 "an eighth of the memory available once the target is loaded")
         if not engine.verifies_branches:
             log.info("the target attends over sliding windows: edges' branches are left unverified")
     t0 = time.monotonic()
@@ -311,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "shares with other prompts, not its own earlier keys; the same bits on a CPU, on a GPU up to "
                    "rounding, as in a batch")
     s.add_argument("--max-pass-cache-mb", type=float, default=0,
-                   help="dynamic engine: the most memory one pass's KV cache may take (default 0: a quarter of the "
+                   help="dynamic engine: the most memory one pass's KV cache may take (default 0: an eighth of the "
                    "memory available once the target is loaded). A pass pads every session's cache to its longest, "
                    "so one long context among many short ones would make every row as long; a pass over this goes "
                    "as several, sessions of like length together (each more reads the weights again; the same bits "
