@@ -257,6 +257,44 @@ def test_a_finished_session_the_worker_still_holds_leaves_it_at_the_next_open() 
     assert asyncio.run(main()) == ["s.2"]
 
 
+def test_close_then_open_at_once_logs_each_session_with_its_own_request() -> None:
+    """Close and the next Open sent together: the reader had opened the next session before the
+    handler sent the first's Opened, and the first's "opened" line told of the next one's
+    prompt; if the edge then went away, the first's end was counted with the next's tokens."""
+    import logging
+
+    second = pb.EdgeMessage(open=pb.Open(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=9)).SerializeToString()
+    close = pb.EdgeMessage(close=pb.Close()).SerializeToString()
+
+    async def requests():  # type: ignore[no-untyped-def]
+        for message in (OPEN, close, second):
+            yield message
+        await asyncio.sleep(60)
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("specsplit.server.service")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+    async def main() -> list[str]:
+        stream = _service(Worker()).Generate(requests(), _Context())
+        kinds = [(await asyncio.wait_for(stream.__anext__(), 10)).WhichOneof("kind") for _ in range(3)]
+        await stream.aclose()
+        return kinds
+
+    try:
+        assert asyncio.run(main()) == ["opened", "done", "opened"]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    opened = [line for line in records if ": opened (" in line]
+    assert len(opened) == 2, records
+    assert "a prompt of 2 tokens, up to 4 new" in opened[0] and "a prompt of 5 tokens, up to 9 new" in opened[1]
+
+
 class _AbortingContext(_Context):
     """gRPC's context as far as an abort: it ends the handler, as grpc.aio's does."""
 

@@ -7,6 +7,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -17,7 +18,7 @@ from specsplit.common.address import bracketed, is_loopback
 from specsplit.common.aio import within
 from specsplit.protocol import codec, errors
 from specsplit.protocol.messages import Close, Done, Opened, OpenRequest, ServerLimits, Verdict
-from specsplit.protocol.server_session import ServerConnection
+from specsplit.protocol.server_session import ServerConnection, ServerSession
 from specsplit.server.auth import BearerTokenInterceptor, bearer_token
 from specsplit.server.config import OUTBOX_ROOM, SchedulerConfig, ServeConfig
 from specsplit.server.engine import Engine
@@ -47,6 +48,14 @@ def server_limits(engine: Engine, cfg: ServeConfig) -> ServerLimits:
         target_model=cfg.model_name or served_name(loaded.name),
         tokenizer_fingerprint=loaded.fingerprint,
     )
+
+
+class _Opening(NamedTuple):
+    """An Opened in a stream's outbox, with its session: by the time it goes out the stream's
+    next session may be open (an edge that sends Close and its next Open at once), and the
+    log line and counts of the one it opens are that one's."""
+    opened: Opened
+    session: ServerSession
 
 
 class _ReaderFault(Exception):
@@ -116,7 +125,7 @@ class SpecSplitService:
                     self.admitting += 1
                 try:
                     for item in out:
-                        await outbox.put(item)
+                        await outbox.put(_Opening(item, conn.session) if isinstance(item, Opened) else item)
                 finally:
                     if admitted:
                         self.admitting -= 1
@@ -164,6 +173,7 @@ class SpecSplitService:
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
         reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
         session: str | None = None  # the open session's id, from its Opened to its Done
+        current: ServerSession | None = None  # and the session
         opened_len = resumed = 0  # the open session's, so that its log lines count the tokens it generated
         half_closed = False
         reason = "disconnected"
@@ -211,15 +221,15 @@ class SpecSplitService:
                     self.metrics.errors.labels("INTERNAL").inc()
                     what = errors.SERVER_FAULT if isinstance(item, _ReaderFault) else errors.VERIFICATION_FAILED
                     await context.abort(grpc.StatusCode.INTERNAL, f"{what}: {item}")
-                if isinstance(item, Opened):
+                if isinstance(item, _Opening):
+                    current, item = item.session, item.opened
                     session = item.session_id
-                    if conn.session is not None:
-                        opened_len, resumed = conn.session.floor, conn.session.floor - conn.session.prompt_len
-                        req = conn.session.request
-                        log.info("session %s from %s: opened (%s, a prompt of %d tokens, up to %d new%s)", session,
-                                 _client(peer, device), req.draft_mode.name.lower(), len(req.prompt_ids),
-                                 req.max_new_tokens, f", resumed after {resumed}" if resumed else "",
-                                 extra={"session": session, "device": device})
+                    opened_len, resumed = current.floor, current.floor - current.prompt_len
+                    req = current.request
+                    log.info("session %s from %s: opened (%s, a prompt of %d tokens, up to %d new%s)", session,
+                             _client(peer, device), req.draft_mode.name.lower(), len(req.prompt_ids),
+                             req.max_new_tokens, f", resumed after {resumed}" if resumed else "",
+                             extra={"session": session, "device": device})
                     # Counted as its Opened goes out, where it is also counted active, so that
                     # every session counted opened is counted ended (one whose Opened never went
                     # out, its stream gone, is neither).
@@ -235,7 +245,7 @@ class SpecSplitService:
                              item.reason.name.lower(), _new_tokens(item.committed_length - opened_len, resumed),
                              extra={"session": session, "device": device})
                     self._ended(item.reason.name.lower())
-                    session = None
+                    session = current = None
                     if half_closed:
                         return
                     self.trimmer.after(self.idle.add(conn.stream_id, outbox, conn.opens, time.monotonic()))
@@ -253,10 +263,10 @@ class SpecSplitService:
             if session is not None:
                 if reason == "disconnected" and self.cutting:
                     reason = "shutdown"  # ended by the drain, which has logged it
-                elif reason in ("disconnected", "stalled") and conn.session is not None:  # (errors are logged)
+                elif reason in ("disconnected", "stalled") and current is not None:  # (errors are logged)
                     why = "the edge went away" if reason == "disconnected" else "the edge stopped reading"
                     log.info("session %s from %s: ended (%s) after %s", session, _client(peer, device), why,
-                             _new_tokens(conn.session.committed_len - opened_len, resumed),
+                             _new_tokens(current.committed_len - opened_len, resumed),
                              extra={"session": session, "device": device})
                 self._ended(reason)
 
