@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import grpc
+import pytest
 
 from specsplit.protocol.messages import ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerConnection
@@ -222,11 +223,9 @@ def test_a_closed_session_leaves_the_worker_at_once() -> None:
     assert asyncio.run(main()) == [0, 0, 0]
 
 
-def test_a_finished_session_the_worker_still_holds_leaves_it_at_the_next_open() -> None:
-    """A session's last delivery found its outbox full (the session done, left in the worker
-    for its servicer to remove) and the edge's next Open came in the same loop turn: the
-    servicer removed only the session then open, and the finished one held its KV cache and
-    its place under --max-sessions for good."""
+def _reopen_over_a_finished_session(max_sessions: int, outbox: asyncio.Queue) -> list[str]:
+    """A kept stream's session done as a delivery that found its outbox full leaves it (still
+    in the worker), then the edge's next Open; what the worker holds once the stream is cut."""
     next_open = asyncio.Event()
 
     async def requests():  # type: ignore[no-untyped-def]
@@ -237,24 +236,42 @@ def test_a_finished_session_the_worker_still_holds_leaves_it_at_the_next_open() 
 
     async def main() -> list[str]:
         worker = Worker()
-        svc = _service(worker)
+        svc = service.SpecSplitService(worker, ServerLimits(vocab_size=100, max_context=100),  # type: ignore[arg-type]
+                                       ServeConfig(max_sessions=max_sessions), ServerMetrics())
         conn = ServerConnection(svc.limits, "s")
-        reader = asyncio.create_task(svc._read(requests(), conn, asyncio.Queue(), asyncio.current_task()))
+        reader = asyncio.create_task(svc._read(requests(), conn, outbox, asyncio.current_task()))
         for _ in range(1000):
             if worker.sessions:
                 break
             await asyncio.sleep(0)
         worker.sessions["s"].session.cancel()  # done as a delivery leaves it: still in the worker
+        while outbox.maxsize and not outbox.full():
+            outbox.put_nowait("unread")  # a bounded outbox: the edge no longer reads
         next_open.set()
         for _ in range(1000):
-            if "s.2" in worker.sessions:
+            if "s.2" in worker.sessions or reader.done():
                 break
             await asyncio.sleep(0)
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
         return sorted(worker.sessions)
 
-    assert asyncio.run(main()) == ["s.2"]
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("max_sessions", [1, 64])
+def test_a_finished_session_the_worker_still_holds_leaves_it_at_the_next_open(max_sessions: int) -> None:
+    """The edge's next Open came in the same loop turn as a full outbox left its finished
+    session in the worker: the servicer removed only the session then open, and the finished
+    one held its KV cache and its place under --max-sessions for good; at a limit of one, it
+    also took the place of that very Open, which was refused as a full server's."""
+    assert _reopen_over_a_finished_session(max_sessions, asyncio.Queue()) == ["s.2"]
+
+
+def test_a_finished_session_leaves_the_worker_even_if_the_next_open_never_gets_out() -> None:
+    """The next Open's Opened waited for room in an outbox its edge no longer read, and the
+    stream was cut meanwhile: the finished session, removed only after that wait, stayed."""
+    assert _reopen_over_a_finished_session(64, asyncio.Queue(maxsize=4)) == []
 
 
 def test_close_then_open_at_once_logs_each_session_with_its_own_request() -> None:

@@ -109,6 +109,12 @@ class SpecSplitService:
                 # An Open is validated here, before admission: a malformed one is refused as
                 # such, full server or not, not with a status the edge would retry.
                 out = conn.receive(event)
+                if previous is not None and conn.session is not previous:
+                    # The stream's last session is done, but the worker may hold it still
+                    # (its last delivery found a full outbox). It goes before admission counts
+                    # places, and before any wait: a refused or cut-off Open must not leave
+                    # it held, nor its place taken from this very Open.
+                    self.worker.remove(previous.session_id)
                 # A resumed generation that is already over (its Done was lost) is answered
                 # here and now: it takes no cache and no place, so a full or draining server
                 # need not send it away to retry for nothing.
@@ -131,10 +137,6 @@ class SpecSplitService:
                         self.admitting -= 1
                 if isinstance(event, OpenRequest) and not conn.idle:
                     assert conn.session is not None
-                    if previous is not None:
-                        # Done, but still in the worker where its last delivery found a full
-                        # outbox: its servicer would remove only the session now open.
-                        self.worker.remove(previous.session_id)
                     pace = PaceLog.for_next(pace, time.monotonic())
                     kv = self.worker.engine.new_state(conn.session.request.prompt_ids)
                     if kv.tokens:
@@ -252,13 +254,17 @@ class SpecSplitService:
         finally:
             reader.cancel()
             self.idle.discard(conn.stream_id)
-            if conn.session is not None:
-                handle = self.worker.sessions.get(conn.session.session_id)
+            # The session whose Opened went out, and the one the reader took in last (its
+            # Opened may not have gone out: an Open read as the stream ended): the worker may
+            # hold either (or both be one: removing twice is harmless).
+            for held in (current, conn.session):
+                if held is None:
+                    continue
+                handle = self.worker.sessions.get(held.session_id)
                 if handle is not None and handle.stalled:
                     reason = "stalled"
-                # Its Opened may not have gone out (an Open read as the stream ended): the
-                # worker holds it all the same.
-                self.worker.remove(conn.session.session_id)
+                self.worker.remove(held.session_id)
+            if conn.session is not None:
                 conn.session.cancel()
             if session is not None:
                 if reason == "disconnected" and self.cutting:
