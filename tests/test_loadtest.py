@@ -672,17 +672,19 @@ def test_an_interrupted_sweep_reports_the_points_that_finished(running, monkeypa
     opts, r = running
     real, calls = sweep_module.run_point, []
 
-    def interrupted_second(*args: object) -> dict:
+    def interrupted_third(*args: object) -> dict:
         calls.append(args)
-        if len(calls) == 2:
+        if len(calls) == 3:
             raise KeyboardInterrupt
         return real(*args)
-    monkeypatch.setattr(sweep_module, "run_point", interrupted_second)
+    monkeypatch.setattr(sweep_module, "run_point", interrupted_third)
     cfg = SweepConfig(modes=("none", "sim"), sessions=(1, 2), slo=0.0)
     report = sweep_and_report(r, opts, cfg, LoadSettings(max_new_tokens=4, duration_s=None, generations=1),
                               log=lambda _: None)
-    assert report["stopped"] == INTERRUPTED and [p["sessions"] for p in report["results"]["none"]] == [1]
+    assert report["stopped"] == INTERRUPTED and [p["sessions"] for p in report["results"]["none"]] == [1, 2]
     assert "sim" not in report["results"] and report["summary"]["split_sessions_at_slo"] is None
+    # Cut short in sim, before any point of it: not in none, the last mode with points.
+    assert report["stopped_in"] == "sim"
 
 
 LIGHT_LOAD_GENERATOR = """
