@@ -130,6 +130,8 @@ def test_a_pass_whose_padded_cache_is_over_its_limit_goes_as_several_with_the_sa
         assert all(np.array_equal(w, g) for w, g in zip(want, got))
         prefixes = [p + d + [3] for p, d in zip(prefixes, drafts)]
     assert len(passes) > 2 and sum(passes) == 2 * len(prefixes), passes
+    # What the scheduler reads to leave a split batch's time out of its pass-cost curve.
+    assert (whole.forward_passes, limited.forward_passes) == (2, len(passes))
 
 
 @given(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 40)), min_size=1, max_size=12), st.integers(1, 2000))
@@ -253,6 +255,18 @@ def test_warm_up_leaves_no_session_behind(tiny) -> None:
     warm_up(engine)
     assert sorted(engine.free) == [0, 1]
     warm_up(TargetEngine(loaded))  # the dynamic engine keeps nothing to give back; it must just run
+
+
+def test_the_static_engine_counts_a_long_prompt_s_passes_ahead(tiny) -> None:
+    """A 70-token prompt in 32-token rows: two passes ahead, then its own; the scheduler times
+    no pass shape by such a verification (Engine.forward_passes)."""
+    engine = StaticEngine(load_model(str(tiny.target_dir)), slots=1, max_len=128)
+    state, prompt, counted = engine.new_state(), list(range(3, 73)), []
+    for tokens in (prompt, [*prompt, 5]):
+        before = engine.forward_passes
+        engine.verify_batch([VerifyItem(state, tokens, [], greedy=True)])
+        counted.append(engine.forward_passes - before)
+    assert counted == [3, 1]
 
 
 def _open_none(worker: VerificationWorker, sid: str, prompt_length: int = 3) -> None:
@@ -793,9 +807,11 @@ class _EchoEngine(_BucketShapes):
 
     def __init__(self) -> None:
         self.passes: list[list[tuple[int, int]]] = []
+        self.forward_passes = 0
 
     def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
         self.passes.append([(it.feed_length, len(it.drafts)) for it in items])
+        self.forward_passes += 1
         for it in items:
             it.kv.tokens = [*it.prefix, *it.drafts]
         return [np.array([*it.drafts, 7]) for it in items]
@@ -830,6 +846,12 @@ def test_a_prefill_does_not_count_as_the_cost_of_verifying_drafts() -> None:
 
 class _SplittingEcho(_SplittingShapes, _EchoEngine):
     """_EchoEngine with the static engine's shapes: a feed longer than its rows goes in passes of its own first."""
+
+    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        width = self._row_width(items)
+        lead = max(it.feed_length - it.pieces * width for it in items)
+        self.forward_passes += -(-max(lead, 0) // TOKEN_BUCKETS[-1])  # as StaticEngine.verify_batch runs them
+        return super().verify_batch(items)
 
 
 def test_a_prompt_fed_in_passes_of_its_own_times_no_pass_of_the_last_one_s_shape() -> None:

@@ -157,6 +157,11 @@ class Engine(Protocol):
         """The widest row a feed may be split into (VerifyItem.pieces); 0: every feed is one row."""
         ...
 
+    # Forward passes run so far. A verify_batch runs one, or several where it feeds a long
+    # prompt ahead (the static engine) or splits an outsize cache (TargetEngine): the scheduler
+    # times a pass shape only by verify_batches that ran one.
+    forward_passes: int
+
     def verify_batch(self, items: Sequence[VerifyItem]) -> list[np.ndarray]: ...
 
 
@@ -184,6 +189,7 @@ class TargetEngine:
         # A pass with branches gives the model one mask of its own (_tree_mask), which every
         # layer then takes: sliding-window layers would attend past their window.
         self.verifies_branches = not attends_in_windows(self.model.config)
+        self.forward_passes = 0
 
     def new_state(self, prompt: Sequence[int] = ()) -> KVState:
         state = KVState()
@@ -232,6 +238,7 @@ class TargetEngine:
     def _pass(self, items: Sequence[VerifyItem], past: list[int]) -> list[np.ndarray]:
         """verify_batch's results for `items`, in one forward pass; `past`: the positions of
         each item's cache it keeps (cropped to them)."""
+        self.forward_passes += 1
         seqs = [[*it.prefix, *it.drafts] for it in items]
         feeds = [[*seq[keep:], *(t for _, tokens in it.branches for t in tokens)]
                  for seq, keep, it in zip(seqs, past, items)]

@@ -137,9 +137,6 @@ class HandedPass:
     items: list[VerifyItem]  # the batch's, as handed to the target (which says when it began them)
     running: asyncio.Future  # type: ignore[type-arg]
     padded_tokens: int
-    # No feed longer than its rows: a longer one (a prompt verified alone, or fed whole) goes
-    # in passes of its own first, whose time is no pass of this shape's.
-    one_pass: bool
 
 
 class VerificationWorker:
@@ -478,16 +475,18 @@ class VerificationWorker:
                 if finished is not None:
                     self._deliver_pass(*finished)
                 queued = await self._pick_ahead(running, started, padded_tokens)
-                results, elapsed, batched = await self._results(running, items)
+                results, elapsed, passes = await self._results(running, items)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("pass: %d sessions, feeds %s, drafts %s, %.0f ms", len(batch),
                               [i.feed_length for i in items], [len(sh.task.drafts) for sh in batch], elapsed * 1000)
-                if batched:  # one-by-one retries time no pass of this shape
-                    if all(sh.item.feed_length == len(sh.task.drafts) + 1 for sh in batch):
-                        # Timed by drafts, so only passes that fed nothing else: one prefill (or a
-                        # branch) would otherwise make verifying a draft or two look as dear as a prompt.
-                        self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
-                    if current.one_pass:
+                if passes is not None:  # one-by-one retries time no pass of this shape
+                    # Only a batch that took one forward pass times its shape: one that fed a
+                    # long prompt ahead, or was split for its cache's size, took several.
+                    if passes == 1:
+                        if all(sh.item.feed_length == len(sh.task.drafts) + 1 for sh in batch):
+                            # Timed by drafts, so only passes that fed nothing else: one prefill (or a
+                            # branch) would otherwise make verifying a draft or two look as dear as a prompt.
+                            self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
                         self.pass_costs.observe(padded_tokens, elapsed)
                     self.metrics.verify_seconds.observe(elapsed)
                 self._observe_host(len(batch))
@@ -541,40 +540,42 @@ class VerificationWorker:
         items = [sh.item for sh in batch]
         running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
         rows, width = self.engine.pass_shape(items)
-        return HandedPass(batch, items, running, rows * width, all(it.feed_length <= it.pieces * width for it in items))
+        return HandedPass(batch, items, running, rows * width)
 
-    def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float]:  # type: ignore[type-arg]
-        """The engine's results and its time for them, timed in the target's thread: the
-        event loop may be delivering the last pass when this one ends."""
+    def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float, int]:  # type: ignore[type-arg]
+        """The engine's results, its time for them, timed in the target's thread (the event
+        loop may be delivering the last pass when this one ends), and the forward passes
+        they took."""
         t0 = time.monotonic()
         self._began = (t0, items)
+        before = self.engine.forward_passes
         results = self.engine.verify_batch(items)
-        return results, time.monotonic() - t0
+        return results, time.monotonic() - t0, self.engine.forward_passes - before
 
     async def _results(self, running: asyncio.Future,  # type: ignore[type-arg]
-                       items: list[VerifyItem]) -> tuple[list, float, bool]:  # type: ignore[type-arg]
+                       items: list[VerifyItem]) -> tuple[list, float, int | None]:  # type: ignore[type-arg]
         """Each item's result, or the exception its verification raised; the seconds the
-        target spent on them; and whether that was the one batched pass. A failing batched
-        pass is retried one session at a time, so one bad session cannot fail the others;
-        then the seconds are the retries' own (a pass queued meanwhile runs between them)."""
+        target spent on them; and the forward passes the batch took, None where it was not
+        verified as one. A failing batched pass is retried one session at a time, so one bad
+        session cannot fail the others; then the seconds are the retries' own (a pass queued
+        meanwhile runs between them)."""
         try:
-            results, elapsed = await running
-            return results, elapsed, True
+            return await running
         except Exception as exc:
             if len(items) == 1:
-                return [exc], 0.0, False
+                return [exc], 0.0, None
             log.warning("a pass over %d sessions failed (%s); verifying them one by one", len(items), exc)
         results: list = []  # type: ignore[type-arg]
         spent = 0.0
         loop = asyncio.get_running_loop()
         for item in items:
             try:
-                (result,), took = await loop.run_in_executor(self._pool, self._timed_pass, [item])
+                (result,), took, _ = await loop.run_in_executor(self._pool, self._timed_pass, [item])
                 results.append(result)
                 spent += took
             except Exception as exc:
                 results.append(exc)
-        return results, spent, False
+        return results, spent, None
 
     def _deliver_pass(self, batch: list[Share], results: list, elapsed: float) -> None:  # type: ignore[type-arg]
         if len(results) != len(batch):  # an engine's bug: which result is whose is unknown

@@ -178,6 +178,7 @@ class StaticEngine:
         self.cache = SlotCache(self.model, slots + 1, max_len)
         self.kv_buckets = kv_buckets(max_len) if bucket_kv else (max_len,)
         self.scratch = slots
+        self.forward_passes = 0  # (Engine.forward_passes)
         self.free = list(range(slots - 1, -1, -1))
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         AttentionInterface.register(GQA_ATTENTION, grouped_sdpa)
@@ -375,6 +376,7 @@ class StaticEngine:
         return results
 
     def _pass(self, items: Sequence[VerifyItem], starts: list[int], chunks: list[list[int]]) -> dict:
+        self.forward_passes += 1
         b, f = self.padded_shape(len(items), max(len(c) for c in chunks))
         kv_len = bucket(max(s + len(c) for s, c in zip(starts, chunks)), self.kv_buckets)
         # Filled in numpy and handed over whole: a torch op per row costs more host time
