@@ -36,7 +36,7 @@ from report_files import save_report
 from specsplit.server import models
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
 from specsplit.server.static_engine import StaticEngine
-from specsplit.server.loading import load_model
+from specsplit.server.loading import LoadedModel, load_model
 
 HERE = Path(__file__).resolve().parent
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -45,6 +45,12 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
 
 def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slots: int, max_len: int,
                  cpu_linear: str = "default", fuse: bool | None = None) -> Engine:
+    loaded = load_target(arch, device, dtype, work, cpu_linear)
+    return StaticEngine(loaded, slots, max_len, fuse=fuse) if kind == "static" else TargetEngine(loaded)
+
+
+def load_target(arch: str, device: str, dtype: str, work: Path, cpu_linear: str = "default") -> LoadedModel:
+    """`arch`'s configuration with random weights (written under `work`), or a model directory's own."""
     real = Path(arch).is_dir()  # a model directory: its own weights
     target = Path(arch) if real else write_config_target(work / arch, "qwen2-1.5b" if arch == "tiny" else arch)
     if arch == "tiny":
@@ -52,9 +58,8 @@ def build_engine(arch: str, device: str, dtype: str, work: Path, kind: str, slot
         config.update(TINY, tie_word_embeddings=False)
         config.pop("layer_types", None)  # derived from the layer count again on load
         (target / "config.json").write_text(json.dumps(config))
-    loaded = load_model(str(target), dtype=dtype, device=device, load_format="auto" if real else "dummy",
-                        onnxruntime_linears=cpu_linear == "onnxruntime")
-    return StaticEngine(loaded, slots, max_len, fuse=fuse) if kind == "static" else TargetEngine(loaded)
+    return load_model(str(target), dtype=dtype, device=device, load_format="auto" if real else "dummy",
+                      onnxruntime_linears=cpu_linear == "onnxruntime")
 
 
 def sync(engine: Engine) -> None:

@@ -15,6 +15,7 @@ import accept_rate
 import gpu_passes
 import host_cost
 import kv_bucket_passes
+import pass_split
 import replay
 import report
 from loadtest import capacity
@@ -28,6 +29,7 @@ RENDERERS: list[tuple[tuple[str, ...], Callable[[dict, str], str]]] = [
     (("accept-rate",), accept_rate.render),
     (("host-cost",), lambda r, _: host_cost.render(r)),
     (("kv-bucket-passes",), lambda r, _: kv_bucket_passes.render(r)),
+    (("pass-split",), lambda r, _: pass_split.render(r)),
     (("replay",), lambda r, _: replay.render(r)),
     (("loadtest", "capacity-gpu-"), loadtest_report.render_markdown),
     (("capacity-gpu",), capacity.render),
