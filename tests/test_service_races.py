@@ -4,6 +4,9 @@ against --max-sessions for good)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import grpc
@@ -144,15 +147,9 @@ def test_an_outbox_that_gets_room_again_wakes_the_worker() -> None:
     assert notified[-1] == 1 and notified[0] == 0, notified
 
 
-def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
-    """A session opened, then its stream ended by `mark`: the scheduler's stall (its handle
-    marked, its task cancelled), the edge gone (during a drain too), or the drain's end."""
-    import logging
-
-    async def requests():  # type: ignore[no-untyped-def]
-        yield OPEN
-        await asyncio.sleep(60)
-
+@contextlib.contextmanager
+def _service_log() -> Iterator[list[str]]:
+    """The service's log lines (INFO and up) while the block runs."""
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -160,6 +157,20 @@ def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
+    """A session opened, then its stream ended by `mark`: the scheduler's stall (its handle
+    marked, its task cancelled), the edge gone (during a drain too), or the drain's end."""
+    async def requests():  # type: ignore[no-untyped-def]
+        yield OPEN
+        await asyncio.sleep(60)
+
 
     async def main() -> service.SpecSplitService:
         worker = Worker()
@@ -173,11 +184,8 @@ def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
         await stream.aclose()
         return svc
 
-    try:
+    with _service_log() as records:
         svc = asyncio.run(main())
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     ended = {r: svc.metrics.sessions_ended.labels(r)._value.get() for r in ("stalled", "disconnected", "shutdown")}
     return ended, records
 
@@ -278,8 +286,6 @@ def test_close_then_open_at_once_logs_each_session_with_its_own_request() -> Non
     """Close and the next Open sent together: the reader had opened the next session before the
     handler sent the first's Opened, and the first's "opened" line told of the next one's
     prompt; if the edge then went away, the first's end was counted with the next's tokens."""
-    import logging
-
     second = pb.EdgeMessage(open=pb.Open(prompt_ids=[1, 2, 3, 4, 5], max_new_tokens=9)).SerializeToString()
     close = pb.EdgeMessage(close=pb.Close()).SerializeToString()
 
@@ -288,13 +294,6 @@ def test_close_then_open_at_once_logs_each_session_with_its_own_request() -> Non
             yield message
         await asyncio.sleep(60)
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("specsplit.server.service")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
 
     async def main() -> list[str]:
         stream = _service(Worker()).Generate(requests(), _Context())
@@ -302,11 +301,8 @@ def test_close_then_open_at_once_logs_each_session_with_its_own_request() -> Non
         await stream.aclose()
         return kinds
 
-    try:
+    with _service_log() as records:
         assert asyncio.run(main()) == ["opened", "done", "opened"]
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     opened = [line for line in records if ": opened (" in line]
     assert len(opened) == 2, records
     assert "a prompt of 2 tokens, up to 4 new" in opened[0] and "a prompt of 5 tokens, up to 9 new" in opened[1]
