@@ -864,6 +864,22 @@ def test_a_prompt_fed_in_passes_of_its_own_times_no_pass_of_the_last_one_s_shape
     assert timed == [math.prod(engine.padded_shape(1, feed)) for ((feed, _),) in steps]  # every pass but the prefill
 
 
+class _CacheSplitEcho(_EchoEngine):
+    """_EchoEngine that runs every verification as two passes, as TargetEngine does one whose
+    padded cache is over --max-pass-cache-mb."""
+
+    def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
+        self.forward_passes += 1
+        return super().verify_batch(items)
+
+
+@pytest.mark.parametrize("model", ["costs", "pass_costs"])
+def test_a_verification_split_for_its_cache_times_no_pass(model: str) -> None:
+    """Drafts only, no prompt fed ahead, yet two passes: their time was taken for one pass's."""
+    _, timed = _timed_alone(_CacheSplitEcho(), tuple(range(1, 41)), model)
+    assert timed == []
+
+
 async def _until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
     """Poll until `condition()` holds or `seconds` have passed (the test's asserts say which)."""
     for _ in range(int(seconds / 0.01)):

@@ -9,7 +9,7 @@ from pass_split import main
 
 def test_a_limit_splits_the_mixed_pass_and_changes_no_ids(tmp_path) -> None:
     argv = ["--arch", "tiny", "--device", "cpu", "--long", "1200", "--short", "16", "--sessions", "6",
-            "--drafts", "2", "--limits-mb", "0,1", "--repeats", "1", "--name", "ps", "--out-dir", str(tmp_path)]
+            "--drafts", "2", "--limits-mb", "1", "--repeats", "1", "--name", "ps", "--out-dir", str(tmp_path)]
     assert main(argv) == 0
     report = json.loads((tmp_path / "ps.json").read_text())
     whole, split = report["rows"]

@@ -166,22 +166,35 @@ def _service_log() -> Iterator[list[str]]:
 
 def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
     """A session opened, then its stream ended by `mark`: the scheduler's stall (its handle
-    marked, its task cancelled), the edge gone (during a drain too), or the drain's end."""
+    marked, its task cancelled; also once it is done and the edge's next Open was read), the
+    edge gone (during a drain too), or the drain's end."""
+    next_open = asyncio.Event()
+
     async def requests():  # type: ignore[no-untyped-def]
         yield OPEN
+        await next_open.wait()
+        yield OPEN
         await asyncio.sleep(60)
-
 
     async def main() -> service.SpecSplitService:
         worker = Worker()
         svc = _service(worker)
         stream = svc.Generate(requests(), _Context())
         assert (await stream.__anext__()).WhichOneof("kind") == "opened"
-        if mark == "stalled":
-            next(iter(worker.sessions.values())).stalled = True
+        if mark.startswith("stalled"):
+            handle = next(iter(worker.sessions.values()))
+            handle.stalled = True
+            if mark == "stalled, then the next Open":
+                handle.session.cancel()  # done as a Done that found no room leaves it
+                next_open.set()
+                for _ in range(1000):
+                    if len(worker.sessions) == 2:
+                        break
+                    await asyncio.sleep(0)
         svc.draining = mark in ("shutdown", "gone while draining")
         svc.cutting = mark == "shutdown"  # the drain, at its end
         await stream.aclose()
+        assert not worker.sessions, mark  # every session it took in (both, after the next Open)
         return svc
 
     with _service_log() as records:
@@ -191,9 +204,11 @@ def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
 
 
 def test_how_a_session_without_its_done_ended_is_counted_and_logged_with_its_client() -> None:
-    ended, lines = _ended_after_opened("stalled")
-    assert ended == {"stalled": 1, "disconnected": 0, "shutdown": 0}
-    assert any("from ipv4:127.0.0.1:50000: ended (the edge stopped reading)" in line for line in lines), lines
+    for mark in ("stalled", "stalled, then the next Open"):
+        # The next Open's reader removed the stalled session: its end was counted as the edge gone.
+        ended, lines = _ended_after_opened(mark)
+        assert ended == {"stalled": 1, "disconnected": 0, "shutdown": 0}, mark
+        assert any("from ipv4:127.0.0.1:50000: ended (the edge stopped reading)" in line for line in lines), lines
     ended, lines = _ended_after_opened("disconnected")
     assert ended == {"stalled": 0, "disconnected": 1, "shutdown": 0}
     assert any("from ipv4:127.0.0.1:50000: ended (the edge went away) after 0 new tokens" in line for line in lines)

@@ -166,7 +166,7 @@ def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: Clien
     results: dict[str, list[dict]] = {}
     total = sum(len(cfg.counts(m)) for m in cfg.modes)
     done = 0
-    mode, n = cfg.modes[0], 0  # (what a stop before the first point is said of)
+    mode, n = cfg.modes[0], 0  # what a stop is said of should it come before the loop has begun
     try:
         for mode in cfg.modes:
             for n in cfg.counts(mode):

@@ -113,8 +113,12 @@ class SpecSplitService:
                     # The stream's last session is done, but the worker may hold it still
                     # (its last delivery found a full outbox). It goes before admission counts
                     # places, and before any wait: a refused or cut-off Open must not leave
-                    # it held, nor its place taken from this very Open.
-                    self.worker.remove(previous.session_id)
+                    # it held, nor its place taken from this very Open. A stalled one (its
+                    # Done found no room) is left to its servicer, which the stall is ending
+                    # and which counts and logs the end so.
+                    handle = self.worker.sessions.get(previous.session_id)
+                    if handle is None or not handle.stalled:
+                        self.worker.remove(previous.session_id)
                 # A resumed generation that is already over (its Done was lost) is answered
                 # here and now: it takes no cache and no place, so a full or draining server
                 # need not send it away to retry for nothing.
@@ -254,9 +258,9 @@ class SpecSplitService:
         finally:
             reader.cancel()
             self.idle.discard(conn.stream_id)
-            # The session whose Opened went out, and the one the reader took in last (its
-            # Opened may not have gone out: an Open read as the stream ended): the worker may
-            # hold either (or both be one: removing twice is harmless).
+            # The session whose Opened went out (a stalled one the reader left, its next Open
+            # read), and the one the reader took in last (its Opened may not have gone out: an
+            # Open read as the stream ended): the worker may hold either, or both be one.
             for held in (current, conn.session):
                 if held is None:
                     continue
