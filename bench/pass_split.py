@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cli_types import int_list, out_dir, report_name
+from cli_types import START_CORES, int_list, out_dir, report_name
 from gpu_passes import load_target, release, sync
 from loadtest.machine import machine_info
 from loadtest.rerun import rerun_command
@@ -89,7 +89,8 @@ def step(loaded: LoadedModel, limit_mb: int, args: argparse.Namespace) -> tuple[
 def render(report: dict) -> str:
     m = report["machine"]
     lines = [f"# The dynamic engine's pass split ({report['arch']}, {report['dtype']}, random weights)", "",
-             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report['torch']}. One verification step of "
+             f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report['torch']}, {report['threads']} thread(s) on "
+             f"cores {report['cores']}. One verification step of "
              f"{report['sessions']} sessions: one with {report['long']} cached positions, the rest {report['short']}, "
              f"each with {report['drafts']} drafts; median of {report['repeats']}. Limit 0: the whole pass, no limit "
              f"(the reference; a server given --max-pass-cache-mb 0 takes an eighth of the memory available). "
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     limits = [0, *[limit for limit in args.limits_mb if limit]]
     report: dict = {"machine": machine_info(args.device), "arch": args.arch, "dtype": dtype, "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "cores": ",".join(map(str, sorted(START_CORES))) or "any",
                     "long": args.long, "short": args.short, "sessions": args.sessions, "drafts": args.drafts,
                     "repeats": args.repeats, "rerun": rerun_command("bench/pass_split.py", argv, {"--out-dir": "OUT_DIR"}),
                     "rows": []}
