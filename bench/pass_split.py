@@ -57,9 +57,10 @@ def padded_positions(items: list[VerifyItem], most: int | None) -> tuple[int, in
     return len(groups), sum(len(g) * (max(past[i] for i in g) + max(feeds[i] for i in g)) for g in groups)
 
 
-def step(loaded: LoadedModel, limit_mb: int, args: argparse.Namespace) -> tuple[dict, list[np.ndarray]]:
-    """One limit's row of the report, and each session's greedy ids."""
-    engine = TargetEngine(loaded, max_pass_cache_bytes=limit_mb * MIB)
+def step(loaded: LoadedModel, limit_mb: int | None, args: argparse.Namespace) -> tuple[dict, list[np.ndarray]]:
+    """One limit's row of the report, and each session's greedy ids; `limit_mb` None: every
+    session in a pass of its own."""
+    engine = TargetEngine(loaded, max_pass_cache_bytes=1 if limit_mb is None else limit_mb * MIB)
     items = mixed_batch(engine, args.long, args.short, args.sessions, args.drafts, np.random.default_rng(0))
     planned, positions = padded_positions(items, engine.max_pass_positions)
     engine.verify_batch(items)  # warm-up: each step re-crops every cache and feeds the same tokens
@@ -82,8 +83,12 @@ def step(loaded: LoadedModel, limit_mb: int, args: argparse.Namespace) -> tuple[
     row = {"limit_mb": limit_mb, "passes": planned, "padded_positions": positions,
            "padded_cache_mib": positions * engine.position_bytes / MIB, "ms_median": 1000 * float(np.median(times)),
            "peak_mib": peak / MIB if cuda else None}
-    print(f"  limit {limit_mb:g} MiB: {planned} pass(es), {row['ms_median']:.1f} ms", file=sys.stderr, flush=True)
+    print(f"  {_limit(limit_mb)}: {planned} pass(es), {row['ms_median']:.1f} ms", file=sys.stderr, flush=True)
     return row, ids
+
+
+def _limit(limit_mb: int | None) -> str:
+    return "each alone" if limit_mb is None else "whole" if limit_mb == 0 else f"{limit_mb} MiB"
 
 
 def render(report: dict) -> str:
@@ -92,14 +97,15 @@ def render(report: dict) -> str:
              f"Machine: {m.get('gpu') or m.get('cpu')}; torch {report['torch']}, {report['threads']} thread(s) on "
              f"cores {report['cores']}. One verification step of "
              f"{report['sessions']} sessions: one with {report['long']} cached positions, the rest {report['short']}, "
-             f"each with {report['drafts']} drafts; median of {report['repeats']}. Limit 0: the whole pass, no limit "
-             f"(the reference; a server given --max-pass-cache-mb 0 takes an eighth of the memory available). "
-             f"Sessions differing: greedy ids unlike the whole pass's. Rerun: `{report['rerun']}`", "",
-             "| limit MiB | passes | padded cache MiB | step ms | peak MiB (GPU) | sessions differing |",
+             f"each with {report['drafts']} drafts; median of {report['repeats']}. Whole: no limit, the reference "
+             f"(a server given --max-pass-cache-mb 0 takes an eighth of the memory available). Sessions differing: "
+             f"greedy ids unlike the whole pass's; each session alone is the control, what any other batch "
+             f"does in this dtype on this device. Rerun: `{report['rerun']}`", "",
+             "| limit | passes | padded cache MiB | step ms | peak MiB (GPU) | sessions differing |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in report["rows"]:
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"| {r['limit_mb']:g} | {r['passes']} | {r['padded_cache_mib']:.1f} | {r['ms_median']:.1f} | "
+        lines.append(f"| {_limit(r['limit_mb'])} | {r['passes']} | {r['padded_cache_mib']:.1f} | {r['ms_median']:.1f} | "
                      f"{peak} | {r['sessions_differing']} |")
     return "\n".join(lines) + "\n"
 
@@ -115,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafts", type=int, default=4, help="drafts each session verifies")
     p.add_argument("--limits-mb", type=int_list, default="1024,256",
                    help="--max-pass-cache-mb values, comma-separated; the whole pass, with no limit, runs first "
-                   "as the reference the others are checked against")
+                   "as the reference the others are checked against, and each session alone last as a control")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--name", type=report_name, default="pass-split")
     p.add_argument("--out-dir", type=out_dir, default=HERE / "results", help="where NAME.json and NAME.md go "
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.long, args.short, args.sessions, args.repeats) < 1 or args.drafts < 0:
         p.error("--long, --short, --sessions and --repeats must be at least 1, --drafts at least 0")
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    limits = [0, *[limit for limit in args.limits_mb if limit]]
+    limits: list[int | None] = [0, *[limit for limit in args.limits_mb if limit], None]
     report: dict = {"machine": machine_info(args.device), "arch": args.arch, "dtype": dtype, "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "cores": ",".join(map(str, sorted(START_CORES))) or "any",
                     "long": args.long, "short": args.short, "sessions": args.sessions, "drafts": args.drafts,
