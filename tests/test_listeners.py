@@ -66,7 +66,9 @@ def test_a_port_another_server_listens_on_is_refused_not_shared() -> None:
         port = other.add_insecure_port("127.0.0.1:0")
         await other.start()
         try:
-            with pytest.raises(OSError, match="already in use"):
+            # BindError, which serve answers with one line: taken since the start's check, as
+            # the model loaded, it was a traceback.
+            with pytest.raises(BindError, match="already in use"):
                 bind_listeners(1, "127.0.0.1", port, lambda server: None)
         finally:
             await other.stop(None)

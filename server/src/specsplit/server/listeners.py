@@ -69,7 +69,10 @@ def bind_listeners(count: int, host: str, port: int, register: Callable[[grpc.ai
     `register`; not started. Returns them and the port they share."""
     if count < 1:
         raise ValueError(f"listeners must be at least 1, got {count}")
-    check_port_free(host, port)
+    try:
+        check_port_free(host, port)  # again: the start's check was a model's load ago
+    except OSError as exc:
+        raise BindError(str(exc)) from None
     servers: list[grpc.aio.Server] = []
     for _ in range(count):
         server = grpc.aio.server(options=[*options, ("grpc.so_reuseport", 1)], interceptors=list(interceptors))
