@@ -30,7 +30,7 @@ from specsplit.protocol.hashing import HashedSequence
 from specsplit.protocol.messages import DraftChunk, DraftMode, OpenRequest, ServerLimits, Verdict
 from specsplit.protocol.server_session import ServerSession
 from specsplit.common.prefix import common_prefix
-from specsplit.server.engine import KVState, TargetEngine, VerifyItem, pass_groups, warm_up
+from specsplit.server.engine import KVState, TargetEngine, VerifyItem, attends_in_windows, pass_groups, warm_up
 from specsplit.server import loading, row_invariant
 from specsplit.server.loading import load_model, native_bf16, resolve_dtype
 from specsplit.server.pace import PaceLog
@@ -1143,6 +1143,22 @@ def test_branches_are_verified_beside_their_drafts_and_change_no_output(tiny) ->
             if verified > 0:
                 break
     assert verified > 0, f"no branch verified in {BRANCH_ROUNDS} rounds"
+
+
+def test_which_configs_attend_over_windows() -> None:
+    """Every config with a sliding_window attribute was taken as windowed: a Qwen2-MoE target
+    (sliding_window 0, every layer full) lost its branches, and the static engine refused it."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig, Qwen2Config, Qwen2MoeConfig
+
+    assert not attends_in_windows(Qwen2MoeConfig())
+    assert not attends_in_windows(Qwen2Config())
+    assert not attends_in_windows(SimpleNamespace(sliding_window=4096, use_sliding_window=False))
+    assert not attends_in_windows(MistralConfig(sliding_window=None))
+    assert attends_in_windows(MistralConfig())  # no layer kinds listed: its window applies to every layer
+    assert attends_in_windows(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                                          num_hidden_layers=2))
 
 
 def test_a_sliding_window_target_verifies_no_branches_and_the_static_engine_refuses_it(tiny, tmp_path,

@@ -167,9 +167,13 @@ class Engine(Protocol):
 
 def attends_in_windows(config: object) -> bool:
     """Whether some of the model's layers attend over a sliding window (Mistral, Gemma 2, a
-    Qwen2 with use_sliding_window), which transformers builds its own masks for."""
-    return getattr(config, "sliding_window", None) is not None or \
-        "sliding_attention" in (getattr(config, "layer_types", None) or ())
+    Qwen2 with use_sliding_window), which transformers builds its own masks for. Where the
+    config lists its layers' kinds, they say it: a Qwen2-MoE keeps a sliding_window of 0, a
+    Qwen2 one of 4096 with use_sliding_window off, and neither has a windowed layer."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds:
+        return "sliding_attention" in kinds
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", None) is not False
 
 
 class TargetEngine:
