@@ -631,6 +631,9 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--grace", "nan"], "--grace must be 0 or more"),
         (["--target", "/no/such/model", "--max-message-bytes", "99999999999"], "1024 to 2147483647"),
         (["--target", "/no/such/model", "--engine", "static", "--static-max-len", "16"], "--static-max-len must be at least 128"),
+        # Cut to the slot's 2016 without a word: every longer Open was refused.
+        (["--target", "/no/such/model", "--engine", "static", "--max-context", "8192"],
+         "--max-context 8192 is more than the static engine's slots hold: 2016"),
         # Config fields under flags of other names (and units) are named by their flags.
         (["--target", "/no/such/model", "--idle-wait-ms", "-1"], "--idle-wait-ms must be 0 or more, got -1.0"),
         (["--target", "/no/such/model", "--max-new-tokens-limit", "0"], "--max-new-tokens-limit must be at least 1"),

@@ -389,7 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-sessions", type=int, default=ServeConfig.max_sessions, help="beyond this, Open gets RESOURCE_EXHAUSTED")
     s.add_argument("--max-lookahead", type=int, default=ServeConfig.max_lookahead, help="how far past the committed point drafts may reach")
-    s.add_argument("--max-context", type=int, default=None, help="context limit, at least 2 (default: the target's)")
+    s.add_argument("--max-context", type=int, default=None,
+                   help="context limit (prompt + output), at least 2 (default: the target's positions; the static "
+                   "engine's slots hold --static-max-len less 32, and a larger value is refused)")
     s.add_argument("--max-new-tokens-limit", type=int, default=ServeConfig.max_new_tokens, help="largest max_new_tokens a session may ask")
     s.add_argument("--max-message-bytes", type=int, default=ServeConfig.max_message_bytes, help="larger messages get RESOURCE_EXHAUSTED; the server's own messages are held to it too "
                    f"(at least {MIN_MESSAGE_BYTES})")

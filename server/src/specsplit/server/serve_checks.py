@@ -105,6 +105,14 @@ def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeCo
     static = resolve_engine(args.engine, args.device) == "static"
     if static and not args.static_max_len >= MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")
+    if static and args.max_context is not None:
+        from specsplit.server.static_engine import TOKEN_BUCKETS
+
+        # Taken as is, it was cut to what a slot holds without a word, and every Open longer refused.
+        if args.max_context > (room := args.static_max_len - TOKEN_BUCKETS[-1]):
+            raise ValueError(f"--max-context {args.max_context} is more than the static engine's slots hold: "
+                             f"{room} (--static-max-len {args.static_max_len} less the widest feed of a pass, "
+                             f"{TOKEN_BUCKETS[-1]}); raise --static-max-len, or serve with --engine dynamic")
     check_given(("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-client-ca", args.tls_client_ca),
                 ("--tokens-file", args.tokens_file))
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
