@@ -1145,6 +1145,17 @@ def test_branches_are_verified_beside_their_drafts_and_change_no_output(tiny) ->
     assert verified > 0, f"no branch verified in {BRANCH_ROUNDS} rounds"
 
 
+def test_a_static_cache_larger_than_the_memory_free_is_refused_in_a_line(tiny, capsys) -> None:
+    """Allocated at once after the load, it failed with the allocator's traceback."""
+    from specsplit.server import cli as server_cli
+
+    assert server_cli.main(["serve", "--target", str(tiny.target_dir), "--engine", "static", "--dtype", "fp32",
+                            "--port", "0", "--max-sessions", "100000", "--static-max-len", "10000000"]) == 2
+    err = capsys.readouterr().err
+    assert "the static engine's KV cache, 100001 slots of 10000000 positions, would take" in err, err
+    assert "lower --max-sessions or --static-max-len" in err
+
+
 def test_which_configs_attend_over_windows() -> None:
     """Every config with a sliding_window attribute was taken as windowed: a Qwen2-MoE target
     (sliding_window 0, every layer full) lost its branches, and the static engine refused it."""

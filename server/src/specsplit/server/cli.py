@@ -35,15 +35,18 @@ def _pass_cache_bytes(given_mb: float, device: str) -> int:
     cache twice over at its peak (the padded copy and the model's with the new positions, or
     that and the stack the sessions' are cut from), beside the sessions' own caches, which
     grow as they generate."""
-    if given_mb:
-        return int(given_mb * 2**20)
+    return int(given_mb * 2**20) if given_mb else _memory_available(device) // PASS_CACHE_SHARE
+
+
+def _memory_available(device: str) -> int:
+    """Bytes free on `device` now: the GPU's, or the machine's on CPU."""
     import torch
 
     if torch.device(device).type == "cuda":
-        return torch.cuda.mem_get_info(torch.device(device))[0] // PASS_CACHE_SHARE
+        return torch.cuda.mem_get_info(torch.device(device))[0]
     import psutil
 
-    return psutil.virtual_memory().available // PASS_CACHE_SHARE
+    return psutil.virtual_memory().available
 
 
 def settle_heap() -> None:
@@ -94,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     import torch
 
     from specsplit.server.engine import TargetEngine, attends_in_windows, warm_up
+    from specsplit.server.kvcache import kv_shape
     from specsplit.server.listeners import BindError
     from specsplit.server.loading import load_model
     from specsplit.server.progress_log import ProgressLog
@@ -140,6 +144,14 @@ def _serve(args: argparse.Namespace) -> int:
         return _refuse(args, f"the static engine has no sliding-window attention, which {args.target} uses: "
                              "serve it with --engine dynamic")
     if args.engine == "static":
+        layers, heads, dim = kv_shape(loaded.model.config)
+        slots = args.max_sessions + 1  # and one for the warm-up
+        need = layers * 2 * heads * dim * loaded.model.dtype.itemsize * slots * args.static_max_len
+        # Allocated at once: past what is free it failed with the allocator's traceback.
+        if need > (free := _memory_available(args.device)):
+            return _refuse(args, f"the static engine's KV cache, {slots} slots of {args.static_max_len} positions, "
+                                 f"would take {need / 1e9:.1f} GB, and {free / 1e9:.1f} GB is free on {args.device} "
+                                 "with the target loaded: lower --max-sessions or --static-max-len")
         t0 = time.monotonic()
         engine = StaticEngine(loaded, slots=args.max_sessions, max_len=args.static_max_len, fuse=args.fuse,
                               bucket_kv=args.kv_buckets)
