@@ -143,6 +143,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.engine == "static" and attends_in_windows(loaded.model.config):
         return _refuse(args, f"the static engine has no sliding-window attention, which {args.target} uses: "
                              "serve it with --engine dynamic")
+    if args.device == "cpu" and (args.engine == "static" or dtype == "fp16"):
+        log.warning("on CPU, %s: a session's tokens may then depend on what else its passes hold; --engine dynamic "
+                    "in bf16 or fp32 keeps them exact", "the static engine's attention is not made batch-invariant"
+                    if args.engine == "static" else "fp16's layers are not made batch-invariant")
     if args.engine == "static":
         layers, heads, dim = kv_shape(loaded.model.config)
         slots = args.max_sessions + 1  # and one for the warm-up
