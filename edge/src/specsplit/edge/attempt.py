@@ -39,6 +39,11 @@ from specsplit.protocol.trajectory import draft_end_for
 log = logging.getLogger(__name__)
 
 GRPC_FRAME_BYTES = 5  # length prefix of every gRPC message
+# The wait for a generation's first verdict is its prompt's prefill, which grows with the prompt
+# (a CPU server prefills some tens of tokens a second): it may take this much more than
+# --stall-timeout per token fed. Without it a long prompt stalled, was re-opened, and was
+# prefilled again, until the retries ran out on a server working all along.
+PREFILL_ALLOWANCE_S = 0.05
 
 
 @dataclass
@@ -128,12 +133,16 @@ class Attempt:
         self.stats.bytes_up += msg.ByteSize() + GRPC_FRAME_BYTES
         self._stream.send(msg)
 
-    async def _read_one(self, call):  # type: ignore[no-untyped-def]
+    async def _read_one(self, call, prefill: bool = False):  # type: ignore[no-untyped-def]
+        """The server's next message; `prefill`: one that may wait on the prompt's prefill."""
+        limit = self._connect.stall_timeout_s
+        if limit is not None and prefill:
+            limit += PREFILL_ALLOWANCE_S * (len(self.prompt_ids) + len(self.committed_ids))
         try:
-            msg = await within(call.read(), self._connect.stall_timeout_s)
+            msg = await within(call.read(), limit)
         except asyncio.TimeoutError:
             call.cancel()
-            raise StreamStalled(f"no message from the server for {self._connect.stall_timeout_s} s") from None
+            raise StreamStalled(f"no message from the server for {limit:g} s") from None
         except asyncio.CancelledError:
             # gRPC ends a read of a call cancelled on this side (the stream aborted, the
             # channel closed) with CancelledError: as a task's cancellation, the generation
@@ -244,7 +253,7 @@ class Attempt:
         edge = self.edge
         assert edge is not None
         while True:
-            event = await self._read_one(call)
+            event = await self._read_one(call, prefill=not self._verdicts)
             now = time.perf_counter() - t0
             if isinstance(event, Verdict):
                 edge.apply_verdict(event)

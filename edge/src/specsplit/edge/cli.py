@@ -23,6 +23,7 @@ import grpc
 from specsplit.common.address import check_host_port, check_unix, is_loopback
 from specsplit.common.help_format import DefaultsHelpFormatter, installed_version
 from specsplit.common.tls import client_credentials, tls_hint
+from specsplit.edge.attempt import PREFILL_ALLOWANCE_S
 from specsplit.edge.branching import MIN_CHANCE
 from specsplit.edge.client import (
     MODES,
@@ -352,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"about {retry_span(ConnectOptions.retries, ConnectOptions.backoff_s):.0f} s or more of a server that is down (a restart of "
                    "the default target takes about a minute)")
     g.add_argument("--stall-timeout", type=float, default=ConnectOptions.stall_timeout_s,
-                   help="seconds without a message from the server before the stream counts as lost")
+                   help="seconds without a message from the server before the stream counts as lost; a "
+                   f"generation's first verdict, which waits on the prompt's prefill, may take {PREFILL_ALLOWANCE_S:g} s "
+                   "more per prompt token")
     g.add_argument("--connect-timeout", type=float, default=ConnectOptions.connect_timeout_s,
                    help="seconds a connection to the server (TCP, TLS, HTTP/2) may take before the attempt fails "
                    "and is retried; an address that takes TCP but never answers costs this much an attempt")

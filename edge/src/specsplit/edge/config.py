@@ -40,7 +40,9 @@ class ConnectOptions:
     # The name the server's certificate must hold, where the address dialled is another (an IP address)
     tls_server_name: str | None = None
     token: str | None = None  # bearer token sent as `authorization` metadata
-    stall_timeout_s: float | None = 60.0  # no message for this long: the stream is treated as dead
+    # No message for this long: the stream is treated as dead (the first verdict, which waits on
+    # the prompt's prefill, may take attempt.PREFILL_ALLOWANCE_S more per prompt token).
+    stall_timeout_s: float | None = 60.0
     # A connection (TCP, TLS, HTTP/2 settings) not made in this long fails the attempt, which is
     # then retried. gRPC's own is 20 s: an address that takes TCP but never answers (a port of
     # something else, a black-holed path) cost 20 s an attempt, over 5 minutes at 12 retries.
