@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=EdgeConfig.max_new_tokens, help="most tokens to generate")
     g.add_argument("--temperature", type=float, default=SamplingParams.temperature, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float, default=SamplingParams.top_p,
-                   help="sample among the likeliest tokens that make up this much probability (1: all)")
+                   help="sample among the likeliest tokens that make up this much probability (0 or 1: all)")
     g.add_argument("--top-k", type=int, default=SamplingParams.top_k, help="sample among this many likeliest tokens (0: all)")
     g.add_argument("--seed", type=int, default=SamplingParams.seed, help="seed of the sampled draws: with match verification (the default) the same text for "
                    "the same seed in every mode, up to the target's rounding (on a GPU, its batching); "
