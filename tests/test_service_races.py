@@ -164,22 +164,24 @@ def _service_log() -> Iterator[list[str]]:
         logger.setLevel(level)
 
 
+async def _open_twice(next_open: asyncio.Event):  # type: ignore[no-untyped-def]
+    """An edge's messages: an Open, and once `next_open` is set the next one; then nothing."""
+    yield OPEN
+    await next_open.wait()
+    yield OPEN
+    await asyncio.sleep(60)
+
+
 def _ended_after_opened(mark: str) -> tuple[dict[str, float], list[str]]:
     """A session opened, then its stream ended by `mark`: the scheduler's stall (its handle
     marked, its task cancelled; also once it is done and the edge's next Open was read), the
     edge gone (during a drain too), or the drain's end."""
     next_open = asyncio.Event()
 
-    async def requests():  # type: ignore[no-untyped-def]
-        yield OPEN
-        await next_open.wait()
-        yield OPEN
-        await asyncio.sleep(60)
-
     async def main() -> service.SpecSplitService:
         worker = Worker()
         svc = _service(worker)
-        stream = svc.Generate(requests(), _Context())
+        stream = svc.Generate(_open_twice(next_open), _Context())
         assert (await stream.__anext__()).WhichOneof("kind") == "opened"
         if mark.startswith("stalled"):
             handle = next(iter(worker.sessions.values()))
@@ -251,18 +253,12 @@ def _reopen_over_a_finished_session(max_sessions: int, outbox: asyncio.Queue) ->
     in the worker), then the edge's next Open; what the worker holds once the stream is cut."""
     next_open = asyncio.Event()
 
-    async def requests():  # type: ignore[no-untyped-def]
-        yield OPEN
-        await next_open.wait()
-        yield OPEN
-        await asyncio.sleep(60)
-
     async def main() -> list[str]:
         worker = Worker()
         svc = service.SpecSplitService(worker, ServerLimits(vocab_size=100, max_context=100),  # type: ignore[arg-type]
                                        ServeConfig(max_sessions=max_sessions), ServerMetrics())
         conn = ServerConnection(svc.limits, "s")
-        reader = asyncio.create_task(svc._read(requests(), conn, outbox, asyncio.current_task()))
+        reader = asyncio.create_task(svc._read(_open_twice(next_open), conn, outbox, asyncio.current_task()))
         for _ in range(1000):
             if worker.sessions:
                 break
