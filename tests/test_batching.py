@@ -1175,10 +1175,11 @@ def test_which_configs_attend_over_windows() -> None:
 
 
 def test_a_sliding_window_target_verifies_no_branches_and_the_static_engine_refuses_it(tiny, tmp_path,
-                                                                                       capsys) -> None:
+                                                                                       capsys, caplog) -> None:
     """A pass with branches hands the model one mask, which every layer takes: sliding-window
     layers attended past their window, and drafts' rows as well as branches' came out wrong
-    (by 4 in logits on a window of 16). The static engine failed its warm-up with a KeyError."""
+    (by 4 in logits on a window of 16). The static engine failed its warm-up with a KeyError;
+    then refused the target once it had loaded it (minutes of a large one), now from its config."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from specsplit.server import cli as server_cli
@@ -1197,3 +1198,4 @@ def test_a_sliding_window_target_verifies_no_branches_and_the_static_engine_refu
     assert server_cli.main(["serve", "--target", str(tmp_path / "sliding"), "--engine", "static", "--dtype", "fp32",
                             "--port", "0"]) == 2
     assert "the static engine has no sliding-window attention" in capsys.readouterr().err
+    assert "loading target" not in caplog.text

@@ -130,9 +130,17 @@ def _serve(args: argparse.Namespace) -> int:
     sys.setswitchinterval(args.gil_switch_ms / 1000)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specsplit.server.loading import MissingWeights, UnreadableModel, resolve_dtype
+    from specsplit.server.loading import MissingWeights, UnreadableModel, load_config, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
+    if args.engine == "static":  # refused from its config, before minutes of loading
+        try:
+            windowed = attends_in_windows(load_config(args.target))
+        except (OSError, UnreadableModel) as exc:
+            return _refuse(args, f"cannot load the target {args.target}: {exc}")
+        if windowed:
+            return _refuse(args, f"the static engine has no sliding-window attention, which {args.target} uses: "
+                                 "serve it with --engine dynamic")
     log.info("loading target %s (%s on %s, %s engine)", args.target, dtype, args.device, args.engine)
     try:
         loaded = load_model(args.target, dtype=dtype, device=args.device, load_format=args.load_format,
@@ -140,9 +148,6 @@ def _serve(args: argparse.Namespace) -> int:
     # No such path, a hub id that cannot be fetched, a partial checkpoint, a file that is no model.
     except (OSError, MissingWeights, UnreadableModel) as exc:
         return _refuse(args, f"cannot load the target {args.target}: {exc}")
-    if args.engine == "static" and attends_in_windows(loaded.model.config):
-        return _refuse(args, f"the static engine has no sliding-window attention, which {args.target} uses: "
-                             "serve it with --engine dynamic")
     if args.device == "cpu" and (args.engine == "static" or dtype == "fp16"):
         log.warning("on CPU, %s: a session's tokens may then depend on what else its passes hold; --engine dynamic "
                     "in bf16 or fp32 keeps them exact", "the static engine's attention is not made batch-invariant"

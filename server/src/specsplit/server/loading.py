@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from specsplit.common.fingerprint import vocab_fingerprint
 from specsplit.server.row_invariant import make_rows_invariant
@@ -108,6 +115,18 @@ class MissingWeights(ValueError):
 
 class UnreadableModel(ValueError):
     """Files transformers cannot read as a model (a .gguf that is none, a broken config)."""
+
+
+def load_config(path: str) -> PretrainedConfig:
+    """The model's config alone (no weights): what start-up checks read before minutes of loading.
+    Raises as load_model does for a path that is not there or cannot be read."""
+    source, extra = _split_gguf(path)
+    try:
+        return AutoConfig.from_pretrained(source, **extra)
+    except OSError:
+        raise
+    except Exception as exc:
+        raise UnreadableModel(f"{path}: transformers cannot read its config ({type(exc).__name__}: {exc})") from exc
 
 
 def load_model(path: str, dtype: str = "fp32", device: str = "cpu", attn: str | None = None,
