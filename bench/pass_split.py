@@ -27,7 +27,7 @@ from loadtest.machine import machine_info
 from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS
 from report_files import save_report
-from specsplit.server.engine import TargetEngine, VerifyItem, pass_groups
+from specsplit.server.engine import TargetEngine, VerifyItem
 from specsplit.server.loading import LoadedModel
 
 HERE = Path(__file__).resolve().parent
@@ -48,12 +48,9 @@ def mixed_batch(engine: TargetEngine, long: int, short: int, sessions: int, draf
     return items
 
 
-def padded_positions(items: list[VerifyItem], most: int | None) -> tuple[int, int]:
-    """(passes, cache positions their padding holds) of a verification of `items` under a limit
-    of `most` positions, as the engine groups them."""
-    past = [it.kv.reusable(it.prefix) for it in items]
-    feeds = [len(it.prefix) + len(it.drafts) - p for it, p in zip(items, past)]
-    groups = pass_groups(past, feeds, most) if most is not None else [list(range(len(items)))]
+def padded_positions(engine: TargetEngine, items: list[VerifyItem]) -> tuple[int, int]:
+    """(passes, cache positions their padding holds) of the engine's verification of `items`."""
+    past, feeds, groups = engine.pass_plan(items)
     return len(groups), sum(len(g) * (max(past[i] for i in g) + max(feeds[i] for i in g)) for g in groups)
 
 
@@ -62,7 +59,7 @@ def step(loaded: LoadedModel, limit_mb: int | None, args: argparse.Namespace) ->
     session in a pass of its own."""
     engine = TargetEngine(loaded, max_pass_cache_bytes=1 if limit_mb is None else limit_mb * MIB)
     items = mixed_batch(engine, args.long, args.short, args.sessions, args.drafts, np.random.default_rng(0))
-    planned, positions = padded_positions(items, engine.max_pass_positions)
+    planned, positions = padded_positions(engine, items)
     engine.verify_batch(items)  # warm-up: each step re-crops every cache and feeds the same tokens
     cuda = engine.device.type == "cuda"
     times, peak = [], 0
@@ -76,7 +73,7 @@ def step(loaded: LoadedModel, limit_mb: int | None, args: argparse.Namespace) ->
         ids = engine.verify_batch(items)
         sync(engine)
         times.append(time.perf_counter() - t0)
-        assert engine.forward_passes - before == planned, "the engine grouped the pass unlike pass_groups"
+        assert engine.forward_passes - before == planned, "the engine ran other passes than it planned"
         if cuda:
             peak = max(peak, torch.cuda.max_memory_allocated() - held)
     release([it.kv for it in items])

@@ -97,7 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     import torch
 
     from specsplit.server.engine import TargetEngine, attends_in_windows, warm_up
-    from specsplit.server.kvcache import kv_shape
+    from specsplit.server.kvcache import position_bytes
     from specsplit.server.listeners import BindError
     from specsplit.server.loading import load_model
     from specsplit.server.progress_log import ProgressLog
@@ -153,9 +153,8 @@ def _serve(args: argparse.Namespace) -> int:
                     "in bf16 or fp32 keeps them exact", "the static engine's attention is not made batch-invariant"
                     if args.engine == "static" else "fp16's layers are not made batch-invariant")
     if args.engine == "static":
-        layers, heads, dim = kv_shape(loaded.model.config)
         slots = args.max_sessions + 1  # and one for the warm-up
-        need = layers * 2 * heads * dim * loaded.model.dtype.itemsize * slots * args.static_max_len
+        need = position_bytes(loaded.model) * slots * args.static_max_len
         # Allocated at once: past what is free it failed with the allocator's traceback.
         if need > (free := _memory_available(args.device)):
             return _refuse(args, f"the static engine's KV cache, {slots} slots of {args.static_max_len} positions, "

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from specsplit.server.kvcache import cache_from_tensors, cache_tensors, kv_shape, output_cache
+from specsplit.server.kvcache import cache_from_tensors, cache_tensors, output_cache, position_bytes
 from specsplit.common.prefix import common_prefix
 from specsplit.server.loading import LoadedModel
 from specsplit.server.prefix_cache import PrefixCache
@@ -186,9 +186,7 @@ class TargetEngine:
         self.model = loaded.model
         self.device = next(self.model.parameters()).device
         self.prefixes = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        layers, heads, head_dim = kv_shape(self.model.config)
-        # A position's keys and values over all layers, as a pass pads them.
-        self.position_bytes = layers * 2 * heads * head_dim * self.model.dtype.itemsize
+        self.position_bytes = position_bytes(self.model)  # what a pass pads, per row and position
         self.max_pass_positions = max_pass_cache_bytes // self.position_bytes if max_pass_cache_bytes > 0 else None
         # A pass with branches gives the model one mask of its own (_tree_mask), which every
         # layer then takes: sliding-window layers would attend past their window.
@@ -225,19 +223,25 @@ class TargetEngine:
         """Per item: its len(drafts) + 1 + branch tokens logit rows (float32), or their argmax
         ids if greedy: the rows after the prefix, after each draft, after each branch token
         (branch by branch)."""
-        past = []
-        for it in items:
-            keep = it.kv.reusable(it.prefix)
+        past, _, groups = self.pass_plan(items)
+        for it, keep in zip(items, past):
             it.kv.crop(keep)
-            past.append(keep)
-        if self.max_pass_positions is None:
+        if len(groups) == 1:
             return self._pass(items, past)
         results: list[np.ndarray] = [np.empty(0)] * len(items)
-        feeds = [len(it.prefix) + len(it.drafts) + it.branch_tokens - keep for it, keep in zip(items, past)]
-        for group in pass_groups(past, feeds, self.max_pass_positions):
+        for group in groups:
             for i, result in zip(group, self._pass([items[i] for i in group], [past[i] for i in group])):
                 results[i] = result
         return results
+
+    def pass_plan(self, items: Sequence[VerifyItem]) -> tuple[list[int], list[int], list[list[int]]]:
+        """How verify_batch takes `items`: each one's cached positions it keeps, the tokens it
+        feeds, and the groups of items its passes take (one group under no limit)."""
+        past = [it.kv.reusable(it.prefix) for it in items]
+        feeds = [len(it.prefix) + len(it.drafts) + it.branch_tokens - keep for it, keep in zip(items, past)]
+        if self.max_pass_positions is None:
+            return past, feeds, [list(range(len(items)))]
+        return past, feeds, pass_groups(past, feeds, self.max_pass_positions)
 
     def _pass(self, items: Sequence[VerifyItem], past: list[int]) -> list[np.ndarray]:
         """verify_batch's results for `items`, in one forward pass; `past`: the positions of

@@ -34,3 +34,9 @@ def kv_shape(config: PretrainedConfig) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def position_bytes(model: torch.nn.Module) -> int:
+    """One position's keys and values over all of the model's layers, in its dtype."""
+    layers, heads, head_dim = kv_shape(model.config)
+    return layers * 2 * heads * head_dim * next(model.parameters()).element_size()

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 
 from specsplit.server.engine import KVState, VerifyItem
 from specsplit.server.fusion import fuse_pointwise, unfuse
-from specsplit.server.kvcache import kv_shape
+from specsplit.server.kvcache import kv_shape, position_bytes
 from specsplit.server.loading import LoadedModel
 
 # Past 32 rows, steps of 8, and past 128 of an eighth of the power of two below: 132 rows pad
@@ -84,7 +84,7 @@ class SlotCache:
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         # Read by the KV gauge for every session after every pass: computed once.
-        self.bytes_per_slot = 2 * self.k[:, 0].numel() * self.k.element_size()
+        self.bytes_per_slot = position_bytes(model) * max_len
         self.rows: torch.Tensor | None = None  # [batch]: slot of each row of the pass
         self.flat: torch.Tensor | None = None  # [batch * tokens]: slot * max_len + position of each new token
         self.kv_len = max_len  # the positions of its slot each row of the pass attends over
