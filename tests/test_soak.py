@@ -16,7 +16,12 @@ def test_a_server_that_exits_ends_the_soak_and_is_reported(tiny) -> None:
     UNAVAILABLE in the rest of the run, a core burnt), and its zombie's memory read 0 MB."""
     with running_server(str(tiny.target_dir), None, dtype="fp32") as (address, server):
         server.kill()  # not reaped until the server's context ends: a zombie, as the driver saw it
-        result = asyncio.run(soak.load(address, tiny.draft_dir, 2, 60.0, psutil.Process(server.pid)))
+        process = psutil.Process(server.pid)
+        # SIGKILL takes a moment to land: sampled first, a live server's memory is a true sample.
+        deadline = time.monotonic() + 10
+        while process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result = asyncio.run(soak.load(address, tiny.draft_dir, 2, 60.0, process))
     assert result["server_exited"] is True
     assert sum(result["errors"].values()) < 100 and result["rss_samples"] == []
 
