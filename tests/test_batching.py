@@ -1058,7 +1058,8 @@ def batching_server(request, tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("batching") / "server.log"
     # Slots of more than 512 positions: the static engine's KV buckets are on by default.
     with launch_server(tiny.target_dir, log, "--metrics-port", str(mport), "--max-batch-sessions", "8",
-                       "--engine", request.param, "--static-max-len", "600") as (address, _):
+                       "--engine", request.param,
+                       *(["--static-max-len", "600"] if request.param == "static" else [])) as (address, _):
         yield address, f"127.0.0.1:{mport}", request.param, log
 
 

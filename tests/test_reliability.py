@@ -609,6 +609,17 @@ def test_json_logs_carry_the_session_id(tiny, tmp_path) -> None:
         (["--target", "/no/such/model", "--engine", "static", "--max-pass-cache-mb", "100"],
          "it needs --engine dynamic"),
         (["--target", "/no/such/model", "--max-pass-cache-mb", "-1"], "--max-pass-cache-mb must be 0 or more"),
+        # Each was ignored without a word with the other engine (--engine auto on a CPU: dynamic).
+        (["--target", "/no/such/model", "--static-max-len", "4096"], "--static-max-len sizes the static engine's "
+         "slots; it needs --engine static"),
+        (["--target", "/no/such/model", "--engine", "static", "--prefix-cache-mb", "512"],
+         "--prefix-cache-mb keeps recent prompts' keys and values for the dynamic engine"),
+        (["--target", "/no/such/model", "--dtype", "bf16", "--cpu-linear", "onnxruntime"],
+         "--cpu-linear onnxruntime takes the linear layers of an fp32 target on a CPU, and this server would run "
+         "bf16 on cpu: serve with"),
+        # Off, with the other engine, asks for nothing that engine does not do.
+        (["--target", "/no/such/model", "--no-fuse", "--prefix-cache-mb", "0", "--engine", "static"],
+         "/no/such/model does not exist"),
         (["--target", "/no/such/model", "--idle-stream-timeout", "0"], "--idle-stream-timeout must be above 0"),
         (["--target", "/no/such/model", "--max-idle-streams", "-1"], "--max-idle-streams must be 0 or more"),
         # Before any model is loaded (the target here does not exist): a setting that would refuse

@@ -115,15 +115,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _refuse(args, f"the static engine verifies at most {TOKEN_BUCKETS[-1] - 1} drafts at a time "
                        f"(--max-verify-tokens) and {SESSION_BUCKETS[-1]} sessions per pass (--max-batch-sessions); "
                        "--engine dynamic takes more")
-    if args.kv_buckets and args.engine != "static":
-        return _refuse(args, "--kv-buckets sizes the static engine's passes; it needs --engine static")
     if args.kv_buckets is None:
         args.kv_buckets = args.engine == "static" and kv_buckets_by_default(args.static_max_len)
-    if args.max_pass_cache_mb and args.engine != "dynamic":
-        return _refuse(args, "--max-pass-cache-mb limits the dynamic engine's passes (the static engine's cache is "
-                             "allocated at start); it needs --engine dynamic")
-    if args.fuse and args.engine != "static":
-        return _refuse(args, "--fuse compiles the static engine's modules; it needs --engine static")
     # The target thread lets go of the GIL in every torch call and must get it back from the
     # event loop, which under load is always busy with messages: at Python's default of 5 ms
     # per hand-over, a GPU pass stretched well past its GPU time.
@@ -133,6 +126,11 @@ def _serve(args: argparse.Namespace) -> int:
     from specsplit.server.loading import MissingWeights, UnreadableModel, load_config, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, args.device)
+    if args.cpu_linear == "onnxruntime" and (args.device != "cpu" or dtype != "fp32"):
+        return _refuse(args, f"--cpu-linear onnxruntime takes the linear layers of an fp32 target on a CPU, and this "
+                             f"server would run {dtype} on {args.device}"
+                             f"{' (--dtype auto on a CPU with native bf16)' if args.dtype == 'auto' else ''}: "
+                             "serve with --device cpu --dtype fp32, or leave --cpu-linear at auto")
     if args.engine == "static":  # refused from its config, before minutes of loading
         try:
             windowed = attends_in_windows(load_config(args.target))
@@ -326,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "elementwise work is one kernel each (default: on a GPU, where it cut 7B passes by 8 to 13%%; "
                    "compiling adds seconds to the start and needs a C compiler; where it fails, the server warns "
                    "and runs them as they are, as on a CPU, whose row-invariant linear layers cannot be compiled)")
-    s.add_argument("--prefix-cache-mb", type=float, default=256,
+    s.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="dynamic engine: memory for recent prompts' keys and values (default 256 MB; 0: none). A "
                    "session whose prompt begins as another prompt did (a chat template's system turn, at least 8 "
                    "tokens) starts from those positions instead of computing them: over the benchmark's prompts on one "
@@ -339,8 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "so one long context among many short ones would make every row as long; a pass over this goes "
                    "as several, sessions of like length together (each more reads the weights again; the same bits "
                    "on a CPU, on a GPU up to rounding, as in a batch)")
-    s.add_argument("--static-max-len", type=int, default=2048,
-                   help="static engine: KV positions per session; a session's context (prompt + output) is this less the "
+    s.add_argument("--static-max-len", type=int, default=None,
+                   help="static engine: KV positions per session (default 2048); a session's context (prompt + output) is this less the "
                    "widest feed of a pass, which stays free past its last token (edges see it in Opened.max_context)")
     s.add_argument("--kv-buckets", action=argparse.BooleanOptionalAction, default=None,
                    help="static engine: a pass attends over its rows' positions rounded up to the next of 128, 256, "
@@ -367,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto (default): ONNX Runtime's GEMM for the large linear layers when serving fp32 on CPU (against "
         "PyTorch's plain GEMM, a pass over 2 to 16 tokens took about half the time, a one-token step up to a "
         "third less; holds a packed copy of the weights), for each layer shape where a probe at load finds it "
-        "keeps a row's bits over as many rows as PyTorch's kernel does; onnxruntime: the same; default: "
-        "PyTorch's (oneDNN)",
+        "keeps a row's bits over as many rows as PyTorch's kernel does; onnxruntime: the same, and refused where "
+        "the server would not serve fp32 on CPU; default: PyTorch's (oneDNN)",
     )
     s.add_argument(
         "--idle-policy",

@@ -27,6 +27,18 @@ FLAG_OF = {"max_new_tokens": "max_new_tokens_limit", "grace_s": "grace", "stalle
 # warm-up passes (engine.warm_up) need 38 positions more; a shorter slot would not hold a
 # chat prompt anyway. (A constant here, tested against warm_up: this module imports no torch.)
 MIN_STATIC_LEN = 128
+# Each engine's own settings, and what they do: given (as anything but off) with the other
+# engine, they would be ignored without a word. Those with a value to fill in default to None.
+ENGINE_OWN = {
+    "static_max_len": ("static", "sizes the static engine's slots"),
+    "kv_buckets": ("static", "sizes the static engine's passes"),
+    "fuse": ("static", "compiles the static engine's modules"),
+    "prefix_cache_mb": ("dynamic", "keeps recent prompts' keys and values for the dynamic engine (the static "
+                                   "engine's slots hold only each session's own)"),
+    "max_pass_cache_mb": ("dynamic", "limits the dynamic engine's passes (the static engine's cache is allocated "
+                                     "at start)"),
+}
+ENGINE_DEFAULTS = {"static_max_len": 2048, "prefix_cache_mb": 256.0}
 
 
 def _flag(name: str) -> str:
@@ -96,13 +108,20 @@ def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeCo
     """The configs `serve` runs with; ValueError (or OSError, for files and ports) naming the
     first setting it cannot run with. A --tokens-file is read here, once: a pipe can be read
     only once."""
+    engine = resolve_engine(args.engine, args.device)
+    for name, (own, what) in ENGINE_OWN.items():
+        if getattr(args, name) and engine != own:
+            raise ValueError(f"{_flag(name)} {what}; it needs --engine {own}")
+    for name, default in ENGINE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in NOT_NEGATIVE:
         if not 0 <= getattr(args, name) < math.inf:
             raise ValueError(f"{_flag(name)} must be 0 or more, got {getattr(args, name)}")
     for name in POSITIVE:
         if not 0 < getattr(args, name) < math.inf:
             raise ValueError(f"{_flag(name)} must be above 0 and finite, got {getattr(args, name)}")
-    static = resolve_engine(args.engine, args.device) == "static"
+    static = engine == "static"
     if static and not args.static_max_len >= MIN_STATIC_LEN:
         raise ValueError(f"--static-max-len must be at least {MIN_STATIC_LEN}, got {args.static_max_len}")
     if static and args.max_context is not None:
