@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import http.client
 import logging
 import os
 import re
@@ -22,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from certs import make_pki
 from conftest import free_port, launch_server
+from orchestrate import wait_healthy
 from specsplit.edge import cli as edge_cli
 from specsplit.edge.client import ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
@@ -659,20 +661,21 @@ def test_serve_refuses_bad_settings_with_a_message(args, message) -> None:
 
 
 def test_metrics_bind_their_own_host_where_given(tiny, tmp_path) -> None:
-    """Serving on one address and the metrics (plain HTTP, no token) on another: the metrics
-    answer there and not on the serving address."""
-    mport = free_port()
-    with launch_server(tiny.target_dir, tmp_path / "s.log", "--metrics-port", str(mport),
-                       "--metrics-host", "127.0.0.2"):
-        assert wait_for(lambda: _answers(f"http://127.0.0.2:{mport}/metrics"))
-        assert not _answers(f"http://127.0.0.1:{mport}/metrics")
+    """Serving on one address and the metrics (plain HTTP, no token) on another, on the serving
+    port itself: the metrics answer there, and the server on its own address."""
+    port = free_port()
+    with launch_server(tiny.target_dir, tmp_path / "s.log", "--host", "127.0.0.1", "--port", str(port),
+                       "--metrics-port", str(port), "--metrics-host", "127.0.0.2", healthy=False) as (_, proc):
+        wait_healthy(f"127.0.0.1:{port}", proc, 60)
+        assert wait_for(lambda: _answers(f"http://127.0.0.2:{port}/metrics"))
+        assert not _answers(f"http://127.0.0.1:{port}/metrics")
 
 
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return b"specsplit_" in resp.read()
-    except OSError:
+    except (OSError, http.client.HTTPException):  # the latter: gRPC answering HTTP/1
         return False
 
 

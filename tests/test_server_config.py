@@ -29,6 +29,10 @@ from specsplit.server.config import OUTBOX_ROOM, ConfigError, SchedulerConfig, S
         (lambda: ServeConfig(port=65536), "port", "must be 0"),
         (lambda: ServeConfig(metrics_host="127.0.0.2"), "metrics_host", "give a metrics port"),
         (lambda: ServeConfig(port=9000, metrics_port=9000), "metrics_port", "other than the serving port"),
+        (lambda: ServeConfig(port=9000, metrics_port=9000, metrics_host="127.0.0.1"), "metrics_port", "other than"),
+        (lambda: ServeConfig(host="0.0.0.0", port=9000, metrics_port=9000, metrics_host="127.0.0.2"), "metrics_port",
+         "either host is a wildcard"),
+        (lambda: ServeConfig(port=9000, metrics_port=9000, metrics_host="[::]"), "metrics_port", "other than"),
     ],
 )
 def test_a_setting_no_server_runs_with_is_refused_by_its_field(make, field: str, problem: str) -> None:
@@ -40,3 +44,5 @@ def test_a_setting_no_server_runs_with_is_refused_by_its_field(make, field: str,
 def test_the_defaults_and_the_edges_of_the_ranges_are_taken() -> None:
     SchedulerConfig(idle_wait_s=0, max_wait_s=0, pace_tokens_per_s=0, outbox_size=OUTBOX_ROOM + 1)
     ServeConfig(port=0, max_context=2, max_message_bytes=1024, grace_s=0, max_idle_streams=0, metrics_port=9091)
+    # Two addresses of one machine each take the port apart.
+    ServeConfig(host="127.0.0.1", port=9000, metrics_host="127.0.0.2", metrics_port=9000)

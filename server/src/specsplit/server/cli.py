@@ -431,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gRPC servers sharing the port (SO_REUSEPORT, Linux), each taking new calls on its own: "
                    "one takes them one at a time, which under hundreds of devices keeps calls waiting; 1 where "
                    "the platform cannot share a port")
-    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    s.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (the serving "
+                   "port too, where --metrics-host is another address than --host and neither is a wildcard)")
     s.add_argument("--metrics-host", help="address the metrics bind (default: --host); plain HTTP, without TLS or "
                    "tokens, so keep it private, e.g. 127.0.0.1 while --host is 0.0.0.0")
     s.add_argument("--tls-cert", help="server certificate (PEM): serve TLS")

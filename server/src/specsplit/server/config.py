@@ -16,6 +16,8 @@ IDLE_POLICIES = ("adaptive", "ar", "wait")
 OUTBOX_ROOM = 3
 # The least --max-message-bytes: an Open of a short prompt and the server's Opened fit well within it.
 MIN_MESSAGE_BYTES = 1024
+# Hosts that bind every address of the machine (an empty one too, as socket binds it).
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 class ConfigError(ValueError):
@@ -137,9 +139,20 @@ class ServeConfig:
                               self.max_message_bytes)
         if self.metrics_host is not None and self.metrics_port is None:
             raise ConfigError("metrics_host", "places the metrics: give a metrics port too", self.metrics_host)
-        if self.metrics_port is not None and (self.metrics_port == self.port or not 1 <= self.metrics_port <= 65535):
-            raise ConfigError("metrics_port", "must be a port from 1 to 65535 other than the serving port",
-                              self.metrics_port)
+        if self.metrics_port is not None and not 1 <= self.metrics_port <= 65535:
+            raise ConfigError("metrics_port", "must be a port from 1 to 65535", self.metrics_port)
+        if self.metrics_port == self.port and self._metrics_share_an_address():
+            raise ConfigError("metrics_port", "must be other than the serving port where the metrics bind the "
+                              "serving host (or either host is a wildcard)", self.metrics_port)
+
+    def _metrics_share_an_address(self) -> bool:
+        """Whether the metrics' host and the serving host may bind one address: the same name, or
+        either a wildcard. Two names of one address (localhost and 127.0.0.1) pass here and fail
+        at the bind, in a line of its own."""
+        if self.metrics_host is None:
+            return True
+        hosts = {self.host.strip("[]"), self.metrics_host.strip("[]")}
+        return len(hosts) == 1 or bool(hosts & WILDCARD_HOSTS)
 
 
 def resolve_engine(engine: str, device: str) -> str:
