@@ -111,6 +111,7 @@ def test_a_pass_whose_padded_cache_is_over_its_limit_goes_as_several_with_the_sa
     whole = TargetEngine(loaded)
     limited = TargetEngine(loaded, max_pass_cache_bytes=300 * whole.position_bytes)
     passes: list[int] = []
+    predicted: list[int] = []  # rows of each pass as forward_shapes says beforehand
     run = limited._pass
 
     def counted(items, past):  # type: ignore[no-untyped-def]
@@ -125,11 +126,15 @@ def test_a_pass_whose_padded_cache_is_over_its_limit_goes_as_several_with_the_sa
     states = {engine: [KVState() for _ in prefixes] for engine in (whole, limited)}
     for _ in range(2):
         drafts = [list(map(int, rng.integers(0, whole.vocab_size, int(rng.integers(0, 5))))) for _ in prefixes]
-        want, got = (e.verify_batch([VerifyItem(states[e][i], p, d, greedy=i % 2 == 1)
-                                     for i, (p, d) in enumerate(zip(prefixes, drafts))]) for e in (whole, limited))
+        batches = {e: [VerifyItem(states[e][i], p, d, greedy=i % 2 == 1) for i, (p, d) in enumerate(zip(prefixes, drafts))]
+                   for e in (whole, limited)}
+        assert len(whole.forward_shapes(batches[whole])) == 1
+        predicted += [rows for rows, _ in limited.forward_shapes(batches[limited])]
+        want, got = (e.verify_batch(batches[e]) for e in (whole, limited))
         assert all(np.array_equal(w, g) for w, g in zip(want, got))
         prefixes = [p + d + [3] for p, d in zip(prefixes, drafts)]
     assert len(passes) > 2 and sum(passes) == 2 * len(prefixes), passes
+    assert predicted == passes  # what the scheduler expects a split batch's time from
     # What the scheduler reads to leave a split batch's time out of its pass-cost curve.
     assert (whole.forward_passes, limited.forward_passes) == (2, len(passes))
 
@@ -262,10 +267,20 @@ def test_the_static_engine_counts_a_long_prompt_s_passes_ahead(tiny) -> None:
     no pass shape by such a verification (Engine.forward_passes)."""
     engine = StaticEngine(load_model(str(tiny.target_dir)), slots=1, max_len=128)
     state, prompt, counted = engine.new_state(), list(range(3, 73)), []
+    shapes: list[tuple[int, int]] = []  # of the passes run
+    run = engine._pass
+
+    def shaped(items, starts, chunks):  # type: ignore[no-untyped-def]
+        shapes.append(engine.padded_shape(len(items), max(len(c) for c in chunks)))
+        return run(items, starts, chunks)
+    engine._pass = shaped  # type: ignore[method-assign]
     for tokens in (prompt, [*prompt, 5]):
-        before = engine.forward_passes
-        engine.verify_batch([VerifyItem(state, tokens, [], greedy=True)])
+        before, shapes[:] = engine.forward_passes, []
+        items = [VerifyItem(state, tokens, [], greedy=True)]
+        predicted = engine.forward_shapes(items)
+        engine.verify_batch(items)
         counted.append(engine.forward_passes - before)
+        assert predicted == shapes  # what the scheduler expects the batch's time from
     assert counted == [3, 1]
 
 
@@ -406,11 +421,9 @@ class _BucketShapes:
 
     split_width = 0
 
-    def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
-        return bucket(sessions, SESSION_BUCKETS), bucket(min(longest, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
-
-    def pass_shape(self, items: list[VerifyItem]) -> tuple[int, int]:
-        return self.padded_shape(len(items), max(it.feed_length for it in items))
+    padded_shape = StaticEngine.padded_shape
+    forward_shapes = StaticEngine.forward_shapes
+    _row_width = StaticEngine._row_width
 
 
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=30), st.sampled_from([0, 8, 32]))
@@ -522,8 +535,8 @@ class _PlainShapes:
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return sessions, longest
 
-    def pass_shape(self, items: list[VerifyItem]) -> tuple[int, int]:
-        return len(items), max(it.feed_length for it in items)
+    def forward_shapes(self, items: list[VerifyItem]) -> list[tuple[int, int]]:
+        return [(len(items), max(it.feed_length for it in items))]
 
 
 def test_a_feed_cut_for_its_branch_verifies_no_more_drafts_than_planned() -> None:
@@ -555,8 +568,6 @@ class _SplittingShapes(_BucketShapes):
     """Pads and splits feeds as the static engine does; no model."""
 
     split_width = TOKEN_BUCKETS[-1]
-    pass_shape = StaticEngine.pass_shape
-    _row_width = StaticEngine._row_width
 
 
 @pytest.mark.parametrize("splits", [False, True])
@@ -574,7 +585,7 @@ def test_a_prompt_in_a_busy_batch_takes_rows_of_the_batch_s_width(splits) -> Non
         shapes = {sh.handle.session.session_id: (sh.item.feed_length, sh.item.pieces, len(sh.task.drafts)) for sh in batch}
         assert shapes.pop("fresh") == (16, 2 if splits else 1, 2)  # its drafts fill what the prompt leaves
         assert len(shapes) == 63 and set(shapes.values()) == {(8, 1, 7)}
-        assert worker.engine.pass_shape([sh.item for sh in batch]) == ((72, 8) if splits else (64, 16))
+        assert worker.engine.forward_shapes([sh.item for sh in batch]) == [(72, 8) if splits else (64, 16)]
 
     asyncio.run(main())
 
@@ -610,7 +621,7 @@ def test_a_cut_never_widens_a_split_batch_past_the_token_limit() -> None:
         batch, _ = worker._pick()
         items = [sh.item for sh in batch]
         assert len(batch) == 9
-        assert worker.engine.pass_shape(items) in pass_shapes(16, 128)
+        assert [shape in pass_shapes(16, 128) for shape in worker.engine.forward_shapes(items)] == [True]
         widest = max(min(-(-it.feed_length // it.pieces), TOKEN_BUCKETS[-1]) for it in items)
         assert sum(it.pieces for it in items) * widest <= 128
 
@@ -651,7 +662,7 @@ def test_a_long_prompt_does_not_keep_a_busy_batch_small(splits) -> None:
         assert batch[0].handle.session.session_id == "fresh"
         if splits:
             assert len(batch) == 101 and batch[0].item.pieces == 25
-            assert worker.engine.pass_shape([sh.item for sh in batch]) == (128, 8)
+            assert worker.engine.forward_shapes([sh.item for sh in batch]) == [(128, 8)]
         else:
             assert len(batch) == 20 and {sh.item.pieces for sh in batch} == {1}
 
@@ -848,9 +859,7 @@ class _SplittingEcho(_SplittingShapes, _EchoEngine):
     """_EchoEngine with the static engine's shapes: a feed longer than its rows goes in passes of its own first."""
 
     def verify_batch(self, items: list[VerifyItem]) -> list[np.ndarray]:
-        width = self._row_width(items)
-        lead = max(it.feed_length - it.pieces * width for it in items)
-        self.forward_passes += -(-max(lead, 0) // TOKEN_BUCKETS[-1])  # as StaticEngine.verify_batch runs them
+        self.forward_passes += len(self.forward_shapes(items)) - 1  # the passes ahead
         return super().verify_batch(items)
 
 
@@ -999,15 +1008,25 @@ class _GatedEngine(_SteppingEngine):
         return super().verify_batch(items)
 
 
-@pytest.mark.parametrize("expected_s", [0.001, 0.4])
-def test_the_next_pass_is_picked_before_the_running_one_ends(expected_s) -> None:
+class _ManyPassGatedEngine(_GatedEngine):
+    """_GatedEngine whose verifications say they take 40 forward passes of one token (a long
+    prompt fed ahead, a split cache)."""
+
+    def forward_shapes(self, items: list[VerifyItem]) -> list[tuple[int, int]]:
+        return [(1, 1)] * 40
+
+
+@pytest.mark.parametrize(("expected_s", "engine_kind"),
+                         [(0.001, _GatedEngine), (0.4, _GatedEngine), (0.01, _ManyPassGatedEngine)])
+def test_the_next_pass_is_picked_before_the_running_one_ends(expected_s, engine_kind) -> None:
     """Near the running pass's expected end the next batch is already chosen, so the target
     does not wait on the pick: s0 is picked for the second pass while the first (s1's: the
     newer session leads) still runs, and not before its expected end, so that sessions whose
-    drafts come during the pass can still be in the next."""
+    drafts come during the pass can still be in the next. A batch of 40 forward passes of
+    10 ms is expected to end after 0.4 s, not 10 ms."""
     async def main() -> None:
         worker, ids = _ready_worker([3, 3], SchedulerConfig(max_batch_sessions=1))
-        engine = _GatedEngine()
+        engine = engine_kind()
         worker.engine = engine  # type: ignore[assignment]
         worker.pass_costs.observe(1, expected_s)
         runner = asyncio.create_task(worker.run())
@@ -1021,7 +1040,7 @@ def test_the_next_pass_is_picked_before_the_running_one_ends(expected_s) -> None
         finally:
             runner.cancel()
             worker.close()
-        assert early == ({"s0", "s1"} if expected_s < 0.1 else {"s1"})
+        assert early == ({"s0", "s1"} if engine_kind is _GatedEngine and expected_s < 0.1 else {"s1"})
         assert during_first == ({"s0", "s1"}, 0)
         assert [len(p) for p in engine.passes[:2]] == [1, 1]
 

@@ -51,8 +51,8 @@ class HeldEngine:
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return sessions, longest
 
-    def pass_shape(self, items) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-        return len(items), max(it.feed_length for it in items)
+    def forward_shapes(self, items) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+        return [(len(items), max(it.feed_length for it in items))]
 
     def verify_batch(self, items):  # type: ignore[no-untyped-def]
         self.started.set()

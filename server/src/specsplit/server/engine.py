@@ -143,8 +143,10 @@ class Engine(Protocol):
         """(rows, tokens per row) a pass over `sessions` feeds of at most `longest` tokens computes."""
         ...
 
-    def pass_shape(self, items: Sequence[VerifyItem]) -> tuple[int, int]:
-        """(rows, tokens per row) the pass over `items` computes, its feeds split as the items say."""
+    def forward_shapes(self, items: Sequence[VerifyItem]) -> list[tuple[int, int]]:
+        """(rows, tokens per row) of each forward pass verify_batch(items) runs, in order, its
+        feeds split as the items say: one but where it feeds a long prompt ahead or splits an
+        outsize cache (forward_passes)."""
         ...
 
     @property
@@ -205,8 +207,9 @@ class TargetEngine:
     def padded_shape(self, sessions: int, longest: int) -> tuple[int, int]:
         return sessions, longest  # right-padded to the longest feed, no more
 
-    def pass_shape(self, items: Sequence[VerifyItem]) -> tuple[int, int]:
-        return self.padded_shape(len(items), max(it.feed_length for it in items))
+    def forward_shapes(self, items: Sequence[VerifyItem]) -> list[tuple[int, int]]:
+        _, feeds, groups = self.pass_plan(items)
+        return [self.padded_shape(len(group), max(feeds[i] for i in group)) for group in groups]
 
     split_width = 0  # a session's cache grows by one pass at a time
 

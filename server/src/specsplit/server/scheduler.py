@@ -136,7 +136,8 @@ class HandedPass:
     batch: list[Share]
     items: list[VerifyItem]  # the batch's, as handed to the target (which says when it began them)
     running: asyncio.Future  # type: ignore[type-arg]
-    padded_tokens: int
+    # Each forward pass's padded tokens, rows x tokens per row (Engine.forward_shapes).
+    padded_tokens: list[int]
 
 
 class VerificationWorker:
@@ -487,11 +488,12 @@ class VerificationWorker:
                             # Timed by drafts, so only passes that fed nothing else: one prefill (or a
                             # branch) would otherwise make verifying a draft or two look as dear as a prompt.
                             self.costs.observe(max(len(sh.task.drafts) for sh in batch), elapsed)
-                        self.pass_costs.observe(padded_tokens, elapsed)
+                        self.pass_costs.observe(padded_tokens[0], elapsed)
                     self.metrics.verify_seconds.observe(elapsed)
                 self._observe_host(len(batch))
                 self.metrics.batch_sessions.observe(len(batch))
-                self.metrics.batch_tokens.observe(padded_tokens)
+                for tokens in padded_tokens:
+                    self.metrics.batch_tokens.observe(tokens)
                 finished = (batch, results, elapsed)
         finally:
             if queued is not None:  # not started yet, it is dropped; started, it ends unread
@@ -515,7 +517,7 @@ class VerificationWorker:
         return batch, soonest
 
     async def _pick_ahead(self, running: asyncio.Future,  # type: ignore[type-arg]
-                          started: float, padded_tokens: int) -> HandedPass | None:
+                          started: float, padded_tokens: list[int]) -> HandedPass | None:
         """The pass after the running one, picked shortly before the running one is expected to
         end (by the measured pass times) and handed to the target's thread at once, so that it
         starts as the running one ends, whatever the event loop is doing then; yet sessions
@@ -527,7 +529,11 @@ class VerificationWorker:
         if not self.pass_costs.known():
             return None
         lead = PICK_LEAD * self._pick_s + PICK_MARGIN_S
-        delay = started + self.pass_costs.cost(padded_tokens) - lead - time.monotonic()
+        # Each forward pass of a batch that takes several (a long prompt fed ahead, an outsize
+        # cache split) at its own shape's cost: timed as one pass, the batch would be picked after
+        # too early, and sessions whose drafts come meanwhile would miss it.
+        expected = sum(self.pass_costs.cost(tokens) for tokens in padded_tokens)
+        delay = started + expected - lead - time.monotonic()
         if delay > 0:
             await asyncio.wait({running}, timeout=delay)
         if running.done():
@@ -539,8 +545,7 @@ class VerificationWorker:
         """`batch`'s pass, handed to the target's thread."""
         items = [sh.item for sh in batch]
         running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
-        rows, width = self.engine.pass_shape(items)
-        return HandedPass(batch, items, running, rows * width)
+        return HandedPass(batch, items, running, [rows * width for rows, width in self.engine.forward_shapes(items)])
 
     def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float, int]:  # type: ignore[type-arg]
         """The engine's results, its time for them, timed in the target's thread (the event

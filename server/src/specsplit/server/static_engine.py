@@ -235,9 +235,15 @@ class StaticEngine:
         widest = max(-(-it.feed_length // it.pieces) for it in items)
         return bucket(min(widest, TOKEN_BUCKETS[-1]), TOKEN_BUCKETS)
 
-    def pass_shape(self, items: Sequence[VerifyItem]) -> tuple[int, int]:
-        width = self._row_width(items)
-        return self.padded_shape(sum(-(-min(it.feed_length, it.pieces * width) // width) for it in items), width)
+    def forward_shapes(self, items: Sequence[VerifyItem]) -> list[tuple[int, int]]:
+        # As verify_batch runs them: the leads in pieces of the widest bucket, then the main pass.
+        width, step = self._row_width(items), TOKEN_BUCKETS[-1]
+        mains = [min(it.feed_length, it.pieces * width) for it in items]
+        leads = [it.feed_length - main for it, main in zip(items, mains)]
+        early = [self.padded_shape(sum(lead > offset for lead in leads),
+                                   max(min(step, lead - offset) for lead in leads if lead > offset))
+                 for offset in range(0, max(leads), step)]
+        return [*early, self.padded_shape(sum(-(-main // width) for main in mains), width)]
 
     def _inputs(self, b: int, f: int) -> dict:
         zeros = torch.zeros((b, f), dtype=torch.long, device=self.device)
