@@ -9,6 +9,7 @@ import asyncio
 import grpc
 import pytest
 
+from fake_server import fake_server
 from specsplit.edge.attempt import PREFILL_ALLOWANCE_S
 from specsplit.edge.client import ConnectOptions, EdgeConfig, StreamStalled, generate
 from specsplit.protocol import codec
@@ -36,13 +37,9 @@ def _answers(first_s: float, second_s: float, opens: list[int]):  # type: ignore
 
 
 async def _generate(first_s: float, second_s: float, opens: list[int]) -> list[int]:
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specsplit.v1.SpecSplit", {
-        "Generate": grpc.stream_stream_rpc_method_handler(_answers(first_s, second_s, opens))}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, address = await fake_server(_answers(first_s, second_s, opens))
     try:
-        result = await generate(f"127.0.0.1:{port}", PROMPT, EdgeConfig(mode="none", max_new_tokens=2),
+        result = await generate(address, PROMPT, EdgeConfig(mode="none", max_new_tokens=2),
                                 connect=ConnectOptions(stall_timeout_s=STALL_S, retries=0))
         return list(result.tokens)
     finally:

@@ -20,7 +20,7 @@ from specsplit.protocol.messages import Done, DoneReason, Opened, SamplingParams
 from specsplit.v1 import specsplit_pb2 as pb
 from protocol_sim import VOCAB, target_next
 from test_end_to_end import reference
-from test_stream_reuse import _fake_server
+from fake_server import fake_server
 
 NOWHERE = "127.0.0.1:1"  # nothing listens: a check that waits for the network would fail there
 
@@ -443,7 +443,7 @@ def test_drafts_a_verdict_left_unsent_go_out_though_the_window_is_full() -> None
         yield codec.server_to_pb(Done(DoneReason.LENGTH, len(seq))).SerializeToString()
 
     async def main() -> list[int]:
-        server, address = await _fake_server(handler)
+        server, address = await fake_server(handler)
         try:
             result = await generate(address, [1, 2, 3], EdgeConfig(mode="async", max_new_tokens=5, window=8),
                                     drafter=_TargetPicker(), connect=ConnectOptions(retries=0))

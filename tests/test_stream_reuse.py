@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import free_port, launch_server
+from fake_server import fake_server
 from specsplit.edge.client import CallCancelled, ConnectOptions, EdgeConfig, generate
 from specsplit.edge.drafter import OnnxDrafter
 from specsplit.edge.stream import GenerateStream
@@ -254,16 +255,6 @@ class _TargetDrafter:
         return logits
 
 
-async def _fake_server(generate_handler) -> tuple[grpc.aio.Server, str]:  # type: ignore[no-untyped-def]
-    """A gRPC server whose Generate is `generate_handler` (raw bytes in and out)."""
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specsplit.v1.SpecSplit", {
-        "Generate": grpc.stream_stream_rpc_method_handler(generate_handler)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
-
-
 def _opened_then_a_token_a_verdict(pause_s: float, tokens: int | None = None):  # type: ignore[no-untyped-def]
     """A server's Generate: Opened, then the target's next token in a verdict every `pause_s`,
     drafts or not; after `tokens` of them, Done, and the call idles until the client goes."""
@@ -287,7 +278,7 @@ def test_a_call_its_caller_cancels_ends_the_generation(mode, how) -> None:
     generation took it for its own cancellation and waited for good for a Done (async, sync),
     or raised CancelledError though nobody had cancelled it (none)."""
     async def main() -> None:
-        server, address = await _fake_server(_opened_then_a_token_a_verdict(0.05))
+        server, address = await fake_server(_opened_then_a_token_a_verdict(0.05))
         channel = grpc.aio.insecure_channel(address)
         stream = GenerateStream.on(channel)
         committed = asyncio.Event()
@@ -313,7 +304,7 @@ def test_a_kept_call_the_server_ended_leaves_no_request_task_behind() -> None:
     """Each generation on a kept stream whose call the server had ended while idle left the
     old call's request task waiting on its queue for good: one more per generation."""
     async def main() -> list[int]:
-        server, address = await _fake_server(_opened_then_a_token_a_verdict(0.0, tokens=1))
+        server, address = await fake_server(_opened_then_a_token_a_verdict(0.0, tokens=1))
         waiting = []
         async with grpc.aio.insecure_channel(address) as channel:
             stream = GenerateStream.on(channel)
@@ -339,7 +330,7 @@ def test_a_server_that_does_not_open_first_is_not_retried() -> None:
         yield codec.server_to_pb(Verdict(3, (5,), 0, 0, 4)).SerializeToString()
 
     async def main() -> None:
-        server, address = await _fake_server(verdict_first)
+        server, address = await fake_server(verdict_first)
         try:
             with pytest.raises(errors.NotOpenedFirst, match="first message was Verdict, not Opened"):
                 await generate(address, [1, 2, 3], EdgeConfig(mode="none", max_new_tokens=4),

@@ -189,10 +189,10 @@ class Attempt:
                                 self.cfg.k, self._k)
             window = self._k if self.cfg.mode == "sync" else self._lookahead()
             # Sync drafts its k each round even at the end: the server verifies once drafts come.
-            end = None if self.cfg.mode == "sync" else \
-                draft_end_for(len(self.prompt_ids), self.cfg.max_new_tokens, opened.max_context)
+            last = draft_end_for(len(self.prompt_ids), self.cfg.max_new_tokens, opened.max_context)
+            end = None if self.cfg.mode == "sync" else last
             ends = (*self.cfg.stop_ids, *(self.drafter.eos_ids if isinstance(self.drafter, EndAware) else ()))
-            self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids, end, ends)
+            self.edge = EdgeSession(self.prompt_ids, window, self.committed_ids, end, ends, commit_end=last + 1)
             drafting = None if self.cfg.mode == "none" else asyncio.create_task(self._draft_loop())
             reading = asyncio.create_task(self._read_loop(stream.call, t0))
             # A prompt's (an earlier answer in a conversation) and a resumed generation's
@@ -278,6 +278,8 @@ class Attempt:
                 self.stats.target_busy_s += event.target_busy_s
                 self._changed.set()
                 return
+            else:  # it was ignored, and the session went on as if the server kept to the protocol
+                raise errors.ProtocolError(f"the server sent a second {type(event).__name__} in one session")
             self._changed.set()
 
     async def _wait_change(self) -> None:

@@ -127,8 +127,12 @@ def server_to_pb(event: ServerEvent) -> pb.ServerMessage:
 
 def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
     kind = msg.WhichOneof("kind")
+    # What the edge could not go on with is the server's break of the protocol (a ProtocolError,
+    # which the edge's callers handle), not a ValueError deep in the edge's session.
     if kind == "verdict":
         v = msg.verdict
+        if not v.tokens:  # every verification commits the target's own token at least
+            raise ProtocolError(f"the server's verdict at {v.start} commits no token")
         return Verdict(
             start=v.start,
             tokens=tuple(v.tokens),
@@ -150,5 +154,8 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
         return Done(reason, msg.done.committed_length, msg.done.target_busy_s)
     if kind == "opened":
         o = msg.opened
+        if o.max_lookahead < 1 or o.max_context < 2:
+            raise ProtocolError(f"the server's Opened allows a lookahead of {o.max_lookahead} and a context of "
+                                f"{o.max_context} tokens: no generation fits")
         return Opened(o.session_id, o.target_model, o.max_context, o.max_lookahead, o.vocab_size)
     raise ProtocolError("server message carries none of opened, verdict, done")

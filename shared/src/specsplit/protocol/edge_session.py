@@ -22,9 +22,10 @@ from specsplit.protocol.trajectory import Trajectory
 
 class EdgeSession:
     def __init__(self, prompt_ids: Sequence[int], window: int, committed_ids: Sequence[int] = (),
-                 draft_end: int | None = None, end_ids: Iterable[int] = ()) -> None:
+                 draft_end: int | None = None, end_ids: Iterable[int] = (), commit_end: int | None = None) -> None:
         """`draft_end`: the trajectory's length past which no draft is drafted, where the
         server would verify none (its generation or context ends; None: no such end).
+        `commit_end`: the length no verdict commits past (the generation's end; None: none).
         `end_ids`: tokens that end a generation (end-of-sequence, stop ids), past which a
         draft is never of use: accepted, the generation ends there; rejected, the line is cut
         before it."""
@@ -35,6 +36,7 @@ class EdgeSession:
         self.prompt_len = len(prompt_ids)
         self.window = window
         self.draft_end = draft_end
+        self.commit_end = commit_end
         self.end_ids = frozenset(end_ids)
         self._line = Trajectory([*prompt_ids, *committed_ids])
         self.sent_len = self.committed_len
@@ -158,6 +160,9 @@ class EdgeSession:
                 f"verdict starts at {verdict.start} but the committed point is {self.committed_len}"
             )
         new = verdict.tokens
+        if self.commit_end is not None and self.committed_len + len(new) > self.commit_end:
+            raise errors.VerdictOutOfOrder(f"a verdict of {len(new)} tokens at {verdict.start} commits past the "
+                                           f"generation's end at {self.commit_end}")
         switched = self._follow_branch(new)
         held = min(len(new), self._line.speculative)  # drafts the verdict's tokens stand on
         start, drafted_to = self.committed_len, len(self._line)
