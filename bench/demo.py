@@ -16,7 +16,7 @@ from orchestrate import run_edge, running_server, server_and_edge_cores
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
-from specsplit.server import models
+from prepared_pair import prepared_pair
 from specsplit.server.loading import resolve_dtype
 
 # The default pair agrees on most of its drafts; a target or draft with wrong weights on ~0%.
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     print("== preparing the default models (first time: a few minutes; then seconds)", flush=True)
-    pair = models.prepare()
+    pair = prepared_pair()
     server_cores, edge_cores = server_and_edge_cores()
     server_cores = [args.server_core] if args.server_core is not None else server_cores
     edge_cores = [args.edge_core] if args.edge_core is not None else edge_cores

@@ -32,8 +32,8 @@ from loadtest.machine import machine_info
 from loadtest.prompts import load_prompts
 from loadtest.rerun import rerun_command
 from loadtest.targets import ARCHS, write_config_target
+from prepared_pair import prepared_pair
 from report_files import save_report
-from specsplit.server import models
 from specsplit.server.engine import Engine, TargetEngine, VerifyItem
 from specsplit.server.static_engine import StaticEngine
 from specsplit.server.loading import LoadedModel, load_model
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args.name = args.name or f"gpu-passes-{args.engine}"
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     if args.target == "default":
-        args.target = models.prepare().target_dir
+        args.target = prepared_pair().target_dir
     elif args.target is not None:
         args.target = Path(args.target)
         if not (args.target / "config.json").is_file():

@@ -204,9 +204,9 @@ def main() -> None:
     # Imported here: loading them is slow, and bad arguments should fail fast.
     from specsplit.edge.drafter import OnnxDrafter
     from specsplit.edge.tokenizer import EdgeTokenizer
-    from specsplit.server import models
+    from prepared_pair import prepared_pair
 
-    draft_dir = args.draft or models.prepare().draft_dir
+    draft_dir = args.draft or prepared_pair().draft_dir
     tokenizer, drafter = EdgeTokenizer(draft_dir), OnnxDrafter(draft_dir, threads=1)
     agreements = {}
     for prompt, run in tqdm(nones.items(), desc="draft agreement", unit="prompt"):

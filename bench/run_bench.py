@@ -23,6 +23,7 @@ from tqdm import tqdm
 from cli_types import at_least, between, out_dir, report_name
 from netem_proxy import LinkConfig, NetemProxy
 from orchestrate import machine, pin, run_edge, running_server, server_and_edge_cores
+from prepared_pair import prepared_pair
 from prompt_set import benchmark_prompts
 from report import render_markdown, summarize
 from runlog import RunLog, SettingsMismatch
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, edge_cores)  # the driver and the proxy stay off the server's core
     prompts = all_prompts
     prompts = prompts[: args.prompts] if args.prompts else prompts
-    pair = models.prepare()
+    pair = prepared_pair()
     header = {
         "name": args.name,
         "machine": machine(),

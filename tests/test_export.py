@@ -202,3 +202,32 @@ def test_logits_that_are_nan_fail_the_parity_check(tiny, monkeypatch) -> None:
     loaded = load_model(str(tiny.target_dir), attn="eager")
     report = parity_check(loaded, tiny.same_dir / "model.onnx")
     assert np.isnan(report.max_abs_diff)
+
+
+def test_a_killed_export_s_work_directory_is_swept_by_the_next_prepare(tiny, tmp_path) -> None:
+    """Its name was its own each time (a temporary directory's), and nothing removed it: 2 GB
+    for the default draft, again with each killed run."""
+    from specsplit.server.models import prepare_draft
+
+    out = tmp_path / "prepared"
+    prepare_draft(tiny.target_dir, out, "int8")
+    (tmp_path / ".prepared.k3x9q2ab" / "fp32").mkdir(parents=True)
+    prepare_draft(tiny.target_dir, out, "int8")  # current: kept, and what was left beside it swept
+    assert [p.name for p in tmp_path.iterdir()] == ["prepared"]
+
+
+def test_a_quantized_graph_whose_logits_are_not_finite_is_refused(tiny, tmp_path, monkeypatch) -> None:
+    """Only the fp32 graph was held to the tolerance; the quantized one, which is what ships,
+    was written whatever its parity said."""
+    from specsplit.server.export import ExportParityError
+
+    real = export_mod.parity_check
+
+    def nan_when_quantized(loaded, path):  # type: ignore[no-untyped-def]
+        report = real(loaded, path)
+        return report if path.parent.name == "fp32" else export_mod.ParityReport(float("nan"), report.top1_agreement)
+
+    monkeypatch.setattr(export_mod, "parity_check", nan_when_quantized)
+    with pytest.raises(ExportParityError, match="the int8 graph's logits are not finite"):
+        export_draft(str(tiny.target_dir), tmp_path / "draft", quantize="int8")
+    assert not (tmp_path / "draft").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,70 @@ def test_a_sources_checksum_covers_its_config_and_tokenizer_and_expands_home(tin
     assert source_sha256(str(source)) != before
     monkeypatch.setenv("HOME", str(tmp_path))
     assert source_sha256("~/source") == source_sha256(str(source)) != ""
+
+
+def test_a_replacement_stopped_while_the_old_copy_is_deleted_leaves_the_new_one_whole(tiny, tmp_path, monkeypatch) -> None:
+    """The old directory was deleted file by file before the new one took its place: a stop
+    part way (Ctrl-C, a kill) could leave its record beside a missing model file, which every
+    later prepare took as complete ("already prepared"), and serving failed."""
+    out = prepare_target(tiny.target_dir, tmp_path / "prepared", dtype="bf16")
+    marker = out / "specsplit-prepared.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "format": 1}))  # to be made again
+    real = shutil.rmtree
+
+    def stopped(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        weights = Path(path) / "model.safetensors"
+        if weights.exists():  # the old copy's weights go first, then the stop
+            weights.unlink()
+            raise KeyboardInterrupt
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_target(tiny.target_dir, out, dtype="bf16")
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert json.loads(marker.read_text())["format"] == PREPARED_FORMAT
+    assert (out / "model.safetensors").is_file()  # the new copy, whole
+    assert prepare_target(tiny.target_dir, out, dtype="bf16") == out  # kept as it is
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared"]  # the old copy's rest swept
+    assert torch.equal(_logits(str(out)), _logits(str(tiny.target_dir)))
+
+
+def test_what_killed_runs_left_beside_a_prepared_directory_is_swept(tiny, tmp_path) -> None:
+    """A killed export's hidden work directory (2 GB for the default draft) had a name of its
+    own each time and was never removed: each killed run left another."""
+    out = prepare_target(tiny.target_dir, tmp_path / "prepared", dtype="bf16")
+    for leftover in (".prepared.k3x9q2ab", ".prepared.old", ".prepared.tmp"):
+        (tmp_path / leftover / "fp32").mkdir(parents=True)
+        (tmp_path / leftover / "fp32" / "model.onnx").write_bytes(b"\0" * 1024)
+    (tmp_path / ".prepared-other.k3x9q2ab").mkdir()  # another directory's: not this one's to sweep
+    assert prepare_target(tiny.target_dir, out, dtype="bf16") == out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".prepared-other.k3x9q2ab", "prepared"]
+
+
+def test_a_cache_on_a_read_only_file_system_is_read_without_its_lock(tmp_path, monkeypatch) -> None:
+    """A volume mounted read-only raises EROFS, not the PermissionError that was caught: the
+    edge's container could not even look up the prepared paths."""
+    import errno
+
+    def read_only(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(models, "open", read_only, raising=False)
+    with models.cache_lock(tmp_path):
+        pass
+
+
+def test_the_demo_says_a_failed_download_in_one_line(monkeypatch, capsys) -> None:
+    """`make demo` on a machine without a package index showed a traceback with pip's output
+    inside; the benchmarks' preparation now ends as `models prepare` does."""
+    import demo
+
+    def unreachable(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise models.DownloadError("pip could not download specsplit-models-qwen2.5-coder-0.5b: no index")
+
+    monkeypatch.setattr(models, "prepare", unreachable)
+    with pytest.raises(SystemExit) as ended:
+        demo.main([])
+    assert ended.value.code == 1
+    assert capsys.readouterr().err == "error: pip could not download specsplit-models-qwen2.5-coder-0.5b: no index\n"

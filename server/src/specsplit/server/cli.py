@@ -218,8 +218,6 @@ def _models(args: argparse.Namespace) -> int:
     import json
 
     from specsplit.server import models
-    from specsplit.server.export import ExportParityError
-    from specsplit.server.loading import MissingWeights, UnreadableModel
 
     root = Path(args.cache_dir) if args.cache_dir else models.cache_dir()
     try:
@@ -229,14 +227,11 @@ def _models(args: argparse.Namespace) -> int:
             pair = models.prepare(args.pair, root, target_source=args.target, draft_source=args.draft,
                                   draft_quantize=args.draft_quantize)
             result = {"target": str(pair.target_dir.resolve()), "draft": str(pair.draft_dir.resolve())}
-    # A path that is not there, a --target or --draft that is not whole or no model, a pair
-    # whose tokenizers differ. (Any other error is a fault of ours, and shows as one.)
-    except (OSError, MissingWeights, UnreadableModel, models.TokenizerMismatch) as exc:
+    except Exception as exc:
+        if (code := models.failure_exit_code(exc)) is None:
+            raise  # a fault of ours, shown as one
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (models.DownloadError, models.ChecksumError, ExportParityError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return code
     if args.json:
         print(json.dumps(result))
     else:

@@ -29,6 +29,7 @@ from specsplit.common.export_meta import (
     past_names,
     present_names,
 )
+from specsplit.server.dir_swap import replace_dir
 from specsplit.server.kvcache import cache_from_tensors, cache_tensors, kv_shape, output_cache
 from specsplit.server.loading import LoadedModel, load_model, source_sha256
 
@@ -244,6 +245,10 @@ def export_draft(
                 quantize_int4(fp32, final / MODEL_FILE, work, int4_block_size)
             q = parity_check(loaded, final / MODEL_FILE)
             log.info("%s: max |logit diff| %.2e, top-1 agreement %.3f", quantize, q.max_abs_diff, q.top1_agreement)
+            # Quantized logits differ by design (no tolerance holds them), but never to NaN or infinity.
+            if not np.isfinite(q.max_abs_diff):
+                raise ExportParityError(f"the {quantize} graph's logits are not finite ({q.max_abs_diff}); "
+                                        f"refusing to write {out_dir}")
             extra = {f"{quantize}_scheme": scheme, f"{quantize}_max_abs_logit_diff": q.max_abs_diff,
                      f"{quantize}_top1_agreement": q.top1_agreement}
         else:
@@ -265,7 +270,5 @@ def export_draft(
             extra=extra,
         )
         meta.save(final)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        final.rename(out_dir)
+        replace_dir(final, out_dir)
     return meta

@@ -13,6 +13,7 @@ Apache-2.0, by the Qwen team.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specsplit.server.dir_swap import replace_dir, sweep_leftovers
 from specsplit.server.sources import file_sha256, local_source
 
 log = logging.getLogger(__name__)
@@ -107,8 +109,10 @@ def cache_lock(root: Path) -> Iterator[None]:
     root.mkdir(parents=True, exist_ok=True)
     try:
         lock = open(root / ".lock", "a")  # noqa: SIM115 (closed below)
-    except PermissionError:  # a cache shared read-only: nothing here can write it, nor race
-        yield
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        yield  # a cache shared read-only (a volume mounted so, too): nothing here can write it, nor race
         return
     with lock:
         try:
@@ -319,6 +323,7 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
     from specsplit.server.loading import load_model, source_sha256
 
     sha = source_sha256(str(gguf))
+    sweep_leftovers(out)
     made = _read_json(_prepared_marker(out))
     if made.get("source_sha256") == sha and made.get("format") == PREPARED_FORMAT:
         log.info("%s: already prepared", out)
@@ -329,8 +334,7 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
     loaded.model.hf_quantizer = None
     if hasattr(loaded.model.config, "quantization_config"):
         del loaded.model.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out.with_name(f".{out.name}.tmp")
     try:
         loaded.model.save_pretrained(tmp)
         loaded.tokenizer.save_pretrained(tmp)
@@ -341,8 +345,7 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
         if isinstance(exc, SafetensorError):  # a full disk, as safetensors reports it
             raise OSError(f"writing {out} failed ({exc})") from None
         raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    replace_dir(tmp, out)
     return out
 
 
@@ -357,6 +360,7 @@ def prepare_draft(gguf: Path, out: Path, quantize: str = DRAFT_QUANTIZATION) -> 
     from specsplit.server.export import SCHEMES, export_draft
     from specsplit.server.loading import source_sha256
 
+    sweep_leftovers(out)  # the export's work directory, gigabytes, where a run was killed
     try:
         meta = DraftExportMeta.load(out)
         if meta.source_sha256 == source_sha256(str(gguf)) and meta.quantization == quantize:
@@ -378,6 +382,21 @@ def _prepared_name(source: str) -> str:
     p = Path(source)
     tag = hashlib.sha256(str(p.resolve() if p.exists() else source).encode()).hexdigest()[:8]
     return f"{p.stem if p.suffix == '.gguf' else p.name}-{tag}"
+
+
+def failure_exit_code(exc: BaseException) -> int | None:
+    """The exit code of a command that pulled or prepared models and failed with `exc`: 2 for
+    what its user can set right (a path that is not there, a --target or --draft that is not
+    whole or no model, a pair whose tokenizers differ, a full disk), 1 for a download, a
+    checksum or an export that failed; None for anything else, a fault of ours."""
+    from specsplit.server.export import ExportParityError
+    from specsplit.server.loading import MissingWeights, UnreadableModel
+
+    if isinstance(exc, (DownloadError, ChecksumError, ExportParityError)):
+        return 1
+    if isinstance(exc, (OSError, MissingWeights, UnreadableModel, TokenizerMismatch)):
+        return 2
+    return None
 
 
 def check_same_tokenizer(target: Path, draft: Path) -> None:
