@@ -114,13 +114,16 @@ def report_name(text: str) -> str:
 
 
 def out_dir(text: str) -> Path:
-    """An output directory: made if missing, but neither a file already there nor under one."""
+    """An output directory: made if missing, but neither a file already there nor under one,
+    and one this process may write (found now, not once a run of minutes ends)."""
     path = Path(text)
-    for place in (path, *path.parents):
+    for place in (path.absolute(), *path.absolute().parents):
         if place.exists():
             if not place.is_dir():
-                raise argparse.ArgumentTypeError(f"{place} is a file, not a directory" if place == path
+                raise argparse.ArgumentTypeError(f"{place} is a file, not a directory" if place == path.absolute()
                                                  else f"{text} cannot be made: {place} is a file")
+            if not os.access(place, os.W_OK | os.X_OK):
+                raise argparse.ArgumentTypeError(f"{text} cannot be written: {place} is not writable here")
             break
     return path
 

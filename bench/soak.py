@@ -91,7 +91,8 @@ async def load(address: str, draft_dir: Path, sessions: int, duration_s: float, 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter)
+    # No abbreviated options: the rerun line hides --out-dir's path only as spelled out.
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=DefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--sessions", type=at_least(1), default=64, help="concurrent sessions")
     p.add_argument("--minutes", type=at_least(0, float, above=True), default=5.0,
                    help="how long; memory is judged from minute 1 on where the run is longer than that")

@@ -614,10 +614,11 @@ def test_a_generation_failure_is_counted_by_its_status_and_a_load_generator_faul
         asyncio.run(_Session(spec, 0, "none").run(time.monotonic(), time.monotonic(), None))
 
 
-def _points(*met: bool | None, first: int = 4) -> list[dict]:
-    """Points of doubling session counts: True met the SLO, False missed it, None served nothing."""
-    return [{"sessions": first * 2**i, "meets_slo": bool(m), "generations": 0 if m is None else 10}
-            for i, m in enumerate(met)]
+def _points(*met: bool | None, first: int = 4, saturated: bool = False) -> list[dict]:
+    """Points of doubling session counts: True met the SLO, False missed it, None served nothing;
+    `saturated`: the load generator's cores were, at every point."""
+    return [{"sessions": first * 2**i, "meets_slo": bool(m), "generations": 0 if m is None else 10,
+             "client": {"saturated": saturated}} for i, m in enumerate(met)]
 
 
 def _report(none: list[dict], sim: list[dict], stopped: str | None = None) -> dict:
@@ -657,6 +658,12 @@ def test_a_limit_the_sweep_did_not_find_is_said_so_and_the_ratio_is_a_bound_or_u
     assert both_beyond["ratio"] is None and "n/a (a limit the sweep did not find)" in capacity_render(both_beyond, "x")
     below = capacity(_report(_points(False), _points(True, False)))
     assert below["ratio"] is None and "fewer than 4" in capacity_render(below, "x")
+    # A miss where the load generator ran out of cores was taken for the server's limit.
+    assert limit(_points(True, False, saturated=True)) == (
+        "client-bound", "4 or more (the next point missed the SLO with the load generator saturated: it, not the "
+        "server, may have been the limit; more --client-procs on more --client-cores would tell)")
+    bound = capacity(_report(_points(True, False), _points(True, True, False, saturated=True)))
+    assert (bound["ratio"], bound["ratio_kind"], bound["split_limit"]) == (2.0, "at least", "client-bound")
 
 
 @pytest.mark.parametrize("args", [["--duration", "nan"], ["--duration", "inf"], ["--slo", "nan"], ["--ramp", "nan"],
@@ -685,6 +692,82 @@ def test_an_interrupted_sweep_reports_the_points_that_finished(running, monkeypa
     assert "sim" not in report["results"] and report["summary"]["split_sessions_at_slo"] is None
     # Cut short in sim, before any point of it: not in none, the last mode with points.
     assert report["stopped_in"] == "sim"
+
+
+def test_a_sigterm_mid_sweep_reports_the_points_that_finished(running, monkeypatch) -> None:
+    """A job's timeout or `kill` (SIGTERM, raised as SystemExit while the load test runs its
+    server) escaped the sweep, and every point finished was lost with it."""
+    opts, r = running
+    real, calls = sweep_module.run_point, []
+
+    def terminated_second(*args: object) -> dict:
+        calls.append(args)
+        if len(calls) == 2:
+            raise SystemExit(128 + signal.SIGTERM)
+        return real(*args)
+    monkeypatch.setattr(sweep_module, "run_point", terminated_second)
+    cfg = SweepConfig(modes=("none",), sessions=(1, 2), slo=0.0)
+    report = sweep_and_report(r, opts, cfg, LoadSettings(max_new_tokens=4, duration_s=None, generations=1),
+                              log=lambda _: None)
+    assert report["stopped"] == INTERRUPTED and [p["sessions"] for p in report["results"]["none"]] == [1]
+
+
+def _run_against(server: str, tiny, out: Path, *extra: str) -> int:
+    return loadtest_run.main(["--server", server, "--draft", str(tiny.draft_dir), "--modes", "none", "--sessions", "1",
+                              "--generations", "1", "--max-new-tokens", "4", "--slo", "0", "--out-dir", str(out),
+                              "--name", "t", *extra])
+
+
+def test_the_report_is_written_before_the_server_stops(tiny, server, tmp_path, monkeypatch) -> None:
+    """Written once the server had stopped (its drain takes seconds): a second Ctrl-C then, or
+    a SIGTERM, lost every point, and the run said none had finished."""
+    from contextlib import contextmanager
+
+    from loadtest import harness
+
+    real = harness.started
+
+    @contextmanager
+    def stopped_by_a_second_ctrl_c(*args, **kwargs):  # type: ignore[no-untyped-def]
+        with real(*args, **kwargs) as running:
+            yield running
+        raise KeyboardInterrupt  # as the server stops
+
+    monkeypatch.setattr(harness, "started", stopped_by_a_second_ctrl_c)
+    assert _run_against(server, tiny, tmp_path) == 130
+    assert [p["sessions"] for p in json.loads((tmp_path / "t.json").read_text())["results"]["none"]] == [1]
+
+
+def test_a_run_interrupted_before_any_point_finished_leaves_an_earlier_report_as_it_was(
+        tiny, server, tmp_path, monkeypatch) -> None:
+    """It was replaced by a report of no points."""
+    for name in ("t.json", "t.md"):
+        (tmp_path / name).write_text("an earlier run's")
+
+    def interrupted(*args: object) -> dict:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sweep_module, "run_point", interrupted)
+    assert _run_against(server, tiny, tmp_path) == 130
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == dict.fromkeys(("t.json", "t.md"), "an earlier run's")
+
+
+def test_options_are_not_taken_abbreviated(capsys) -> None:
+    """The rerun line hides the values of the options it names (a metrics URL may carry a
+    token); an abbreviation of one went into the report as given."""
+    with pytest.raises(SystemExit) as refused:
+        loadtest_run.build_parser().parse_args(["--metrics", "http://h/metrics?token=SECRET"])
+    assert refused.value.code == 2 and "unrecognized arguments: --metrics" in capsys.readouterr().err
+
+
+def test_an_out_dir_that_cannot_be_written_is_refused_while_parsing(tmp_path, monkeypatch, capsys) -> None:
+    """Found only when the report was written, at the end of the sweep."""
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == closed else real(path, mode))
+    with pytest.raises(SystemExit):
+        loadtest_run.build_parser().parse_args(["--out-dir", str(closed / "results")])
+    assert f"{closed}/results cannot be written: {closed} is not writable here" in capsys.readouterr().err
 
 
 LIGHT_LOAD_GENERATOR = """
@@ -749,3 +832,17 @@ def test_a_chunk_a_rejection_cut_off_has_no_verdict_latency() -> None:
     accepted = [("send", 0.0, 10, 4), ("send", 0.01, 14, 4),
                 ("verdict", 0.10, 10, 4, 4, 5.0, 4, 0), ("verdict", 0.20, 14, 4, 4, 5.0, 4, 0)]
     assert verdict_latency_ms(accepted) == pytest.approx([100.0, 190.0])
+
+
+def test_a_histogram_bucket_whose_bound_is_no_number_is_left_out() -> None:
+    """One odd line (another exporter behind the URL, a proxy) raised ValueError in the point's
+    summary, outside the reads that tolerate unreadable metrics: the sweep stopped, the point lost."""
+    from loadtest.scrape import histogram_delta
+
+    def snap(count: float) -> dict:
+        return {("h_count", ()): count, ("h_sum", ()): count * 2, ("h_bucket", (("le", "1.0"),)): count,
+                ("h_bucket", (("le", "abc"),)): count, ("h_bucket", (("le", "+Inf"),)): count,
+                ("h_bucket", (("other", "x"),)): count}
+
+    assert histogram_delta(snap(1), snap(5), "h") == {"count": 4, "sum": 8, "mean": 2.0,
+                                                      "buckets": {"1.0": 4, "+Inf": 0}}

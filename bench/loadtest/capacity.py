@@ -24,7 +24,9 @@ from loadtest.sweep import slo_limit  # noqa: E402
 
 # What the ratio split / baseline is, by where each limit lies (sweep.slo_limit): exact where
 # both were found; a bound where one lies beyond the sweep; unknown otherwise.
-RATIO_KIND = {("found", "found"): "exact", ("found", "beyond"): "at least", ("beyond", "found"): "at most"}
+# A limit the load generator may have set ("client-bound") is a least count, as "beyond" is.
+RATIO_KIND = {("found", "found"): "exact", ("found", "beyond"): "at least", ("beyond", "found"): "at most",
+              ("found", "client-bound"): "at least", ("client-bound", "found"): "at most"}
 
 
 def capacity(report: dict) -> dict:
@@ -45,8 +47,9 @@ def capacity(report: dict) -> dict:
         "slo_tokens_per_s": report["slo"],
         "baseline_sessions_at_slo": base,
         "split_sessions_at_slo": split,
-        # "found", "below" (under the fewest tried), "beyond" (the most tried, or more) or "unknown"
-        # (nothing served at the first point); None: not swept
+        # "found", "below" (under the fewest tried), "beyond" (the most tried, or more), "client-bound"
+        # (found where the load generator was saturated: at least) or "unknown" (nothing served at the
+        # first point); None: not swept
         "baseline_limit": limits["none"],
         "split_limit": limits["sim"],
         "ratio": split / base if ratio_kind else None,  # None: a mode not swept, or a limit not found

@@ -198,10 +198,14 @@ def sweep_and_report(running: Running, opts: RunOptions, cfg: SweepConfig, setti
     return build_report(setup, cfg, settings, results, stop)
 
 
-def execute(opts: RunOptions, cfg: SweepConfig, settings: LoadSettings, log: Callable[[str], None] = print) -> dict:
-    """A whole run: start (or attach), sweep, stop; the report."""
+def execute(opts: RunOptions, cfg: SweepConfig, settings: LoadSettings, deliver: Callable[[dict], None],
+            log: Callable[[str], None] = print) -> dict:
+    """A whole run: start (or attach), sweep, stop; the report, also handed to `deliver` before
+    the server stops: that takes a while (its drain), and a second Ctrl-C or a SIGTERM then
+    would otherwise lose every point."""
     with started(opts, cfg, log) as running:
         report = sweep_and_report(running, opts, cfg, settings, log)
+        deliver(report)
         if report["stopped"] not in (None, INTERRUPTED) and running.server_log is not None:
             # A point that failed may be the server's doing; without --server-log its log goes with the run.
             _log_tail(running.server_log, log)

@@ -9,6 +9,7 @@ from pathlib import Path
 from loadtest.prompts import PROMPT_SETS
 from loadtest.sessions import LoadSettings
 from loadtest.sweep import Stop, SweepConfig, sessions_at_slo, slo_limit
+from report_files import write_whole
 
 MODE_TITLES = {
     "none": "server only (mode none)",
@@ -30,8 +31,8 @@ def build_report(setup: dict, cfg: SweepConfig, settings: LoadSettings, results:
         "baseline_sessions_at_slo": sessions_at_slo(results["none"]) if "none" in results else None,
         "split_sessions_at_slo": sessions_at_slo(results["sim"]) if "sim" in results else None,
         "onnx_sessions_at_slo": sessions_at_slo(results["onnx"]) if "onnx" in results else None,
-        # What each count above means (sweep.slo_limit): "beyond" is that many or more; "below"
-        # and "unknown" read 0 but are no measure of 0.
+        # What each count above means (sweep.slo_limit): "beyond" and "client-bound" are that many
+        # or more; "below" and "unknown" read 0 but are no measure of 0.
         "baseline_limit": slo_limit(results["none"]) if "none" in results else None,
         "split_limit": slo_limit(results["sim"]) if "sim" in results else None,
         "onnx_limit": slo_limit(results["onnx"]) if "onnx" in results else None,
@@ -275,6 +276,9 @@ def limit_text(report: dict, mode: str) -> str:
     if limit == "below":
         return f"fewer than {points[0]['sessions']} (the fewest tried missed it)"
     count = sessions_at_slo(points)
+    if limit == "client-bound":
+        return (f"{count} or more (the next point missed the SLO with the load generator saturated: it, not the "
+                "server, may have been the limit; more --client-procs on more --client-cores would tell)")
     if limit == "beyond":
         # Where the sweep stopped early, in this mode's sweep or not (reports from before
         # "stopped_in": the last mode with a point, which a stop at a mode's first point misnames).
@@ -290,8 +294,8 @@ def _sessions(point: dict) -> str:
 def write_report(report: dict, out_dir: Path, name: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    md_path.write_text(render_markdown(report, name))
+    write_whole(json_path, json.dumps(report, indent=1) + "\n")
+    write_whole(md_path, render_markdown(report, name))
     return json_path, md_path
 
 

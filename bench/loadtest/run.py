@@ -80,8 +80,11 @@ def log(message: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated options: the report's rerun line hides the values of the options it names
+    # (paths, a metrics URL that may carry a token), and would miss them under another spelling.
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="With --server, a bearer token is read from $SPECSPLIT_TOKEN.")
+                                epilog="With --server, a bearer token is read from $SPECSPLIT_TOKEN.",
+                                allow_abbrev=False)
     target = p.add_mutually_exclusive_group()
     target.add_argument("--target", type=model_dir, help="target Hugging Face directory (default: the tiny test target, "
                         "built in a temporary directory, with its eos removed so generations run to the limit)")
@@ -113,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "pair at RTT 50 ms: 0.39)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--duration", type=at_least(0, float, above=True), default=10.0, help="seconds per point (default 10)")
-    length.add_argument("--generations", type=at_least(1), help="instead of --duration: generations per session per point")
+    length.add_argument("--generations", type=at_least(1),
+                        help="instead of --duration: generations per session per point, failed ones included "
+                        "(a server that refuses every one ends the point, not retried for good)")
     p.add_argument("--ramp", type=at_least(0, float), default=0.0,
                    help="seconds over which a point's sessions start, spread evenly, as devices arriving one after "
                    "another (default 0: all at once; of N sessions the last starts (N-1)/N of the way through); the "
@@ -143,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", type=report_name, default="loadtest", help="writes NAME.json and NAME.md in --out-dir")
     p.add_argument("--out-dir", type=out_dir, default=RESULTS, help="where (default: bench/results)")
     p.add_argument("--server-log", type=Path,
-                   help="keep the server's log here (default: not kept; its end is printed if the run fails)")
+                   help="keep the server's log here (default: not kept; its end is printed where a failed "
+                   "point stops the sweep early)")
     given = p.add_argument_group("a server already running (none is started; the options for one do not apply)")
     given.add_argument("--server", type=host_port, metavar="HOST:PORT",
                        help="load this server; needs --draft, the export of a draft for its target")
@@ -233,19 +239,30 @@ def main(argv: list[str] | None = None) -> int:
         rerun=rerun_command("bench/loadtest/run.py", argv, PATH_OPTIONS),
         server=server, metrics_url=args.metrics_url,
     )
+    written: list[Path] = []
+
+    def deliver(report: dict) -> None:
+        if any(report["results"].values()):  # none: an earlier report of the name stays as it was
+            written.extend(write_report(report, args.out_dir, args.name))
+            print(written[1].read_text())
+            log(f"wrote {written[0]} and {written[1]}")
+
     try:
-        report = execute(opts, cfg, settings, log)
+        report = execute(opts, cfg, settings, deliver, log)
     except SetupError as exc:  # a server that refuses or fails us; prompts its tokenizer cannot make
         log(f"error: {exc}")
         return 1
-    except KeyboardInterrupt:  # before the sweep (interrupted in it, the sweep reports what finished)
-        log("interrupted before any point finished: nothing to report")
+    except KeyboardInterrupt:  # before the sweep, or while the server stopped after it
+        log("interrupted while the server stopped" if written else
+            "interrupted before any point finished: nothing to report")
         return 130
-    json_path, md_path = write_report(report, args.out_dir, args.name)
-    print(md_path.read_text())
-    log(f"wrote {json_path} and {md_path}")
     if report["stopped"] == INTERRUPTED:
+        if not written:
+            log("interrupted before any point finished: nothing to report")
         return 130
+    if not written:  # (the sweep has said why)
+        log("no point finished: nothing to report")
+        return 1
     summary = report["summary"]
     return 0 if summary["errors"]["total"] == 0 and summary["mismatched_outputs"] == 0 and not report["stopped"] else 1
 

@@ -33,6 +33,15 @@ def counter_delta(before: Snapshot, after: Snapshot, name: str) -> float | None:
     return None if a is None or b is None else a - b
 
 
+def _bound(le: str) -> float | None:
+    """A bucket's upper bound; None for one that is no number (what else serves the URL, or a
+    proxy in between, may write anything: one odd line must not cost the point its figures)."""
+    try:
+        return float(le)
+    except ValueError:
+        return None
+
+
 def histogram_delta(before: Snapshot, after: Snapshot, name: str) -> dict | None:
     """Observations between two scrapes: count, sum, mean and the count per bucket
     (non-cumulative, keyed by upper bound). None if the server has no such histogram."""
@@ -41,9 +50,8 @@ def histogram_delta(before: Snapshot, after: Snapshot, name: str) -> dict | None
         return None
     count = count_a - count_b
     total = (value(after, f"{name}_sum") or 0.0) - (value(before, f"{name}_sum") or 0.0)
-    bounds = sorted(
-        (float(dict(labels)["le"]), dict(labels)["le"]) for sample, labels in after if sample == f"{name}_bucket"
-    )
+    bounds = sorted((bound, le) for sample, labels in after if sample == f"{name}_bucket"
+                    if (le := dict(labels).get("le")) is not None and (bound := _bound(le)) is not None)
     buckets: dict[str, float] = {}
     below = 0.0
     for _, le in bounds:

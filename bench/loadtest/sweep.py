@@ -127,14 +127,18 @@ def slo_limit(points: list[dict]) -> str:
     "found" (a point missed the SLO, and the one before met it), "below" (its first point
     missed: the limit is under the fewest sessions tried, not 0), "beyond" (its last point
     met it: the limit is that many sessions or more), "unknown" (its first point served
-    nothing, or the server was lost during it). A last point that served nothing, or that
+    nothing, or the server was lost during it), "client-bound" (as found, but the point that
+    missed saturated the load generator's cores: it, not the server, may have been the limit,
+    so the count is the least the server holds). A last point that served nothing, or that
     the server did not live through, says nothing of the limit."""
     judged = points[:-1] if points and _no_measure(points[-1]) else points
     if not judged:
         return "unknown"
     if judged[-1]["meets_slo"]:
         return "beyond"
-    return "found" if any(p["meets_slo"] for p in judged) else "below"
+    if not any(p["meets_slo"] for p in judged):
+        return "below"
+    return "client-bound" if judged[-1].get("client", {}).get("saturated") else "found"
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,7 @@ def sweep(server: ServerHandle, spec: LoadSpec, cfg: SweepConfig, workers: Clien
                 if not point["meets_slo"]:  # more sessions only get slower: save the time
                     done += len(cfg.counts(mode)) - len(points)  # the rest of this mode is skipped
                     break
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM, as the server's runner raises it
         log(INTERRUPTED)
         return results, Stop(INTERRUPTED, mode)
     except Exception as exc:  # noqa: BLE001 (the points that finished are still reported)
