@@ -254,3 +254,33 @@ def test_the_demo_says_a_failed_download_in_one_line(monkeypatch, capsys) -> Non
         demo.main([])
     assert ended.value.code == 1
     assert capsys.readouterr().err == "error: pip could not download specsplit-models-qwen2.5-coder-0.5b: no index\n"
+
+
+def test_a_pulled_source_is_not_hashed_again_to_find_its_preparation_current(tiny, tmp_path, monkeypatch) -> None:
+    """Each prepare hashed both GGUF files (1.6 GB for the default pair, tens of seconds on a
+    board's SD card) though the pull had just found them verified by their recorded checksum."""
+    from specsplit.common.export_meta import DraftExportMeta
+    from specsplit.server import loading
+    from specsplit.server.models import prepare_draft
+
+    target = prepare_target(tiny.target_dir, tmp_path / "target", dtype="bf16", sha256="a" * 64)
+    draft = prepare_draft(tiny.target_dir, tmp_path / "draft", "int8")
+    recorded = DraftExportMeta.load(draft).source_sha256
+    stamps = [(d / name).stat().st_mtime_ns for d, name in ((target, "model.safetensors"), (draft, "model.onnx"))]
+
+    def hashed(path: str) -> str:
+        raise AssertionError(f"{path} was hashed again")
+
+    monkeypatch.setattr(loading, "source_sha256", hashed)
+    assert prepare_target(tiny.target_dir, target, dtype="bf16", sha256="a" * 64) == target
+    assert prepare_draft(tiny.target_dir, draft, "int8", sha256=recorded) == draft
+    assert [(d / name).stat().st_mtime_ns for d, name in ((target, "model.safetensors"), (draft, "model.onnx"))] == stamps
+    # prepare hands each pulled file's checksum on, from its spec
+    given: dict[str, str | None] = {}
+    monkeypatch.setattr(models, "pull_one", lambda spec, root: tmp_path / spec.filename)
+    monkeypatch.setattr(models, "prepare_target", lambda gguf, out, sha256=None: given.setdefault("target", sha256) and out)
+    monkeypatch.setattr(models, "prepare_draft", lambda gguf, out, q, sha256=None: given.setdefault("draft", sha256) and out)
+    monkeypatch.setattr(models, "check_same_tokenizer", lambda target, draft: None)
+    models.prepare(root=tmp_path / "cache")
+    draft_spec, target_spec = models._specs(models.DEFAULT_PAIR)
+    assert given == {"target": target_spec.sha256, "draft": draft_spec.sha256}

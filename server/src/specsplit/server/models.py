@@ -316,13 +316,15 @@ def _prepared_marker(directory: Path) -> Path:
 PREPARED_FORMAT = 2
 
 
-def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
-    """Dequantize a GGUF target once and save it as a Hugging Face directory."""
+def prepare_target(gguf: Path, out: Path, dtype: str = "bf16", sha256: str | None = None) -> Path:
+    """Dequantize a GGUF target once and save it as a Hugging Face directory. `sha256`: the
+    source's, where it is known (a pulled file, verified): hashing a GB file again on every
+    prepare took tens of seconds on a board's SD card."""
     from safetensors import SafetensorError
 
     from specsplit.server.loading import load_model, source_sha256
 
-    sha = source_sha256(str(gguf))
+    sha = sha256 or source_sha256(str(gguf))
     sweep_leftovers(out)
     made = _read_json(_prepared_marker(out))
     if made.get("source_sha256") == sha and made.get("format") == PREPARED_FORMAT:
@@ -354,8 +356,9 @@ def prepare_target(gguf: Path, out: Path, dtype: str = "bf16") -> Path:
 DRAFT_QUANTIZATION = "int4"
 
 
-def prepare_draft(gguf: Path, out: Path, quantize: str = DRAFT_QUANTIZATION) -> Path:
-    """Export a GGUF draft once to a quantized ONNX directory for the edge."""
+def prepare_draft(gguf: Path, out: Path, quantize: str = DRAFT_QUANTIZATION, sha256: str | None = None) -> Path:
+    """Export a GGUF draft once to a quantized ONNX directory for the edge. `sha256`: the
+    source's, where it is known (prepare_target)."""
     from specsplit.common.export_meta import DraftExportMeta
     from specsplit.server.export import SCHEMES, export_draft
     from specsplit.server.loading import source_sha256
@@ -363,7 +366,7 @@ def prepare_draft(gguf: Path, out: Path, quantize: str = DRAFT_QUANTIZATION) -> 
     sweep_leftovers(out)  # the export's work directory, gigabytes, where a run was killed
     try:
         meta = DraftExportMeta.load(out)
-        if meta.source_sha256 == source_sha256(str(gguf)) and meta.quantization == quantize:
+        if meta.source_sha256 == (sha256 or source_sha256(str(gguf))) and meta.quantization == quantize:
             if meta.extra.get(f"{quantize}_scheme") == SCHEMES.get(quantize):
                 log.info("%s: already prepared", out)
                 return out
@@ -436,14 +439,17 @@ def prepare(
 
 def _prepare(draft_spec: ChunkedGGUF, target_spec: ChunkedGGUF, root: Path, target_source: str | None,
              draft_source: str | None, draft_quantize: str) -> PreparedPair:
+    # A pulled file's checksum is its spec's (pull_one verified it): not hashed again.
     if target_source is None:
-        target = prepare_target(pull_one(target_spec, root), root / "prepared" / f"{target_spec.name}-bf16")
+        target = prepare_target(pull_one(target_spec, root), root / "prepared" / f"{target_spec.name}-bf16",
+                                sha256=target_spec.sha256)
     elif Path(target_source).is_dir():
         target = Path(target_source)  # a Hugging Face directory is served as it is
     else:
         target = prepare_target(Path(target_source), root / "prepared" / f"{_prepared_name(target_source)}-bf16")
     name = draft_spec.name if draft_source is None else _prepared_name(draft_source)
     source = pull_one(draft_spec, root) if draft_source is None else Path(draft_source)
-    draft = prepare_draft(source, root / "prepared" / f"{name}-{draft_quantize}-onnx", draft_quantize)
+    draft = prepare_draft(source, root / "prepared" / f"{name}-{draft_quantize}-onnx", draft_quantize,
+                          sha256=draft_spec.sha256 if draft_source is None else None)
     check_same_tokenizer(target, draft)
     return PreparedPair(target, draft)
