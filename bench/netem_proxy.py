@@ -81,17 +81,16 @@ class NetemProxy:
         # The handshake (SYN, SYN-ACK, ACK) took place here at once; on the emulated path
         # the client may send from one RTT on, and the server from 1.5 RTTs (on the ACK).
         connected = time.monotonic()
-        sends_from = {"up": connected + 2 * self.link.delay_s, "down": connected + 3 * self.link.delay_s}
+        # Per direction: when this connection may next send (Line).
+        lines = {"up": [connected + 2 * self.link.delay_s], "down": [connected + 3 * self.link.delay_s]}
         pumps: dict[str, asyncio.Task] = {}
 
         def gone(toward: str) -> None:
             # A side that reset takes nothing more: what is on its way to it is dropped. What
             # it sent before still reaches the other side on schedule, and the reset after it.
             pumps[toward].cancel()
-        pumps["up"] = asyncio.create_task(self._pump(client_r, target_w, "up", sends_from["up"],
-                                                  lambda: gone("down")))
-        pumps["down"] = asyncio.create_task(self._pump(target_r, client_w, "down", sends_from["down"],
-                                                    lambda: gone("up")))
+        pumps["up"] = asyncio.create_task(self._pump(client_r, target_w, "up", lines["up"], lambda: gone("down")))
+        pumps["down"] = asyncio.create_task(self._pump(target_r, client_w, "down", lines["down"], lambda: gone("up")))
         tasks = set(pumps.values())
         self._tasks |= tasks
         # Each direction runs to its own end: a half-close ends one, not the other, and a
@@ -101,17 +100,22 @@ class NetemProxy:
             w.close()
         self._tasks -= tasks
 
-    def _arrival(self, direction: str, size: int, sends_from: float = 0.0) -> float:
+    def _arrival(self, direction: str, size: int, line: list[float] | None = None) -> float:
         """When a chunk read now reaches the other side: after the chunks already on its
         direction's link (all connections') have gone out, its own transmission, and the
-        delay; not sent before `sends_from` (its connection's handshake). Booked as it is
-        read, so the link serves chunks in the order they came."""
-        now = max(time.monotonic(), sends_from)
-        if self.link.rate_bps <= 0:
-            return now + self.link.delay_s
-        sent = max(now, self._link_free[direction]) + size * 8 / self.link.rate_bps
-        self._link_free[direction] = sent
-        return sent + self.link.delay_s
+        delay. Booked on the link as it is read, so the link serves chunks in the order they
+        came. `line`: its connection's [when it may next send]: the handshake's end, then its
+        last chunk's leaving; a chunk held by the handshake leaves then, after the chunks held
+        before it, without holding the link idle for the other connections meanwhile."""
+        now = time.monotonic()
+        transmit = size * 8 / self.link.rate_bps if self.link.rate_bps > 0 else 0.0
+        sent = max(now, self._link_free[direction]) + transmit
+        if self.link.rate_bps > 0:
+            self._link_free[direction] = sent
+        if line is None:
+            return sent + self.link.delay_s
+        line[0] = max(sent, line[0] + transmit)
+        return line[0] + self.link.delay_s
 
     def _segments(self, data: bytes) -> list[bytes]:
         """A chunk as the capped link carries it, a packet at a time: a small message read
@@ -123,23 +127,24 @@ class NetemProxy:
         return [data[i : i + SEGMENT_BYTES] for i in range(0, len(data), SEGMENT_BYTES)]
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str,
-                    sends_from: float, on_reset: Callable[[], None]) -> None:
+                    line: list[float], on_reset: Callable[[], None]) -> None:
         """Carry one direction: what is read goes out at its arrival time. The end of the
         reader's side goes after what it sent, as an end (a half-close) or a reset, which
-        also calls `on_reset`. A failed write ends the direction at once."""
+        also calls `on_reset`, each a delay after it came (and not while the proxy is
+        paused). A failed write ends the direction at once."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def deliver() -> None:
             while True:
                 due, data = await queue.get()
-                if data is None:
-                    with contextlib.suppress(OSError):
-                        writer.write_eof()
-                    return
                 await self._running.wait()
                 wait = due - time.monotonic()
                 if wait > 0:
                     await asyncio.sleep(wait)
+                if data is None:
+                    with contextlib.suppress(OSError):
+                        writer.write_eof()
+                    return
                 if data is RESET:
                     _reset(writer)
                     return
@@ -163,13 +168,13 @@ class NetemProxy:
                     data = read.result()
                 except ConnectionError:  # the reader's side reset
                     on_reset()
-                    queue.put_nowait((self._arrival(direction, 0, sends_from), RESET))
+                    queue.put_nowait((self._arrival(direction, 0, line), RESET))
                     break
                 if not data:
-                    queue.put_nowait((time.monotonic(), None))
+                    queue.put_nowait((self._arrival(direction, 0, line), None))
                     break
                 for segment in self._segments(data):
-                    queue.put_nowait((self._arrival(direction, len(segment), sends_from), segment))
+                    queue.put_nowait((self._arrival(direction, len(segment), line), segment))
             await sender
         finally:
             sender.cancel()

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import shlex
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from serve_args import serve_args_problem, serve_settings
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
+from specsplit.common.signals import exit_on_sigterm
 from specsplit.protocol.messages import MAX_CHUNK
 from specsplit.server import models
 from specsplit.server.loading import resolve_dtype
@@ -243,4 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # SIGTERM (a job's timeout, `kill`) as SystemExit from the start, not only while the server
+    # runs: during the anchors it ended this driver alone, and the child it waited on (the
+    # Hugging Face anchor, minutes) ran on, pinned to the server's core.
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     sys.exit(main())

@@ -49,7 +49,8 @@ class RunLog:
                 previous = None
             if not isinstance(previous, dict) or not isinstance(previous.get("runs"), list):
                 raise SettingsMismatch(f"{path} is not a benchmark result to resume: rerun without --resume")
-            for field in ("settings", "network", "models"):
+            # Pinning too: runs pinned and not would stand under the last invocation's line.
+            for field in ("settings", "network", "models", "pinning"):
                 if previous.get(field) != header.get(field):
                     raise SettingsMismatch(
                         f"{path} was measured with other {field} ({previous.get(field)!r}, now {header.get(field)!r}):"

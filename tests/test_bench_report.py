@@ -95,3 +95,10 @@ def test_a_verdict_of_ten_tokens_or_more_is_not_drawn_as_nine() -> None:
                               0.0)
     commits = next(line for line in chart.splitlines() if line.startswith("commits"))
     assert commits.split()[1:3] == ["+", "3"]
+
+
+def test_the_server_alone_at_each_rtt_is_held_to_its_first_rtt_s_output() -> None:
+    """Each none run was compared with itself: "identical" read yes whatever the server decoded."""
+    none = {**_run("a", 0, 0), "mode": "none"}
+    rows = {r["rtt_ms"]: r for r in summarize([{**none, "rtt_ms": 0}, {**none, "rtt_ms": 50, "token_ids": [2]}])}
+    assert (rows[0]["identical"], rows[50]["identical"]) == (True, False)

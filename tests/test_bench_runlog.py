@@ -87,6 +87,9 @@ def test_resume_under_other_settings_is_refused(tmp_path):
     other = {**HEADER, "settings": {**HEADER["settings"], "max_new_tokens": 8}}
     with pytest.raises(SettingsMismatch, match="max_new_tokens"):
         _log(path, resume=True, header=other)
+    unpinned = {**HEADER, "pinning": "not pinned (fewer than two cores); one thread each"}
+    with pytest.raises(SettingsMismatch, match="measured with other pinning"):
+        _log(path, resume=True, header=unpinned)
     newer_python = {**HEADER, "machine": {**HEADER["machine"], "python": "3.99"}}
     _log(path, resume=True, header=newer_python)  # the same machine, its Python upgraded
 

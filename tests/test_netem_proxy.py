@@ -221,3 +221,43 @@ def test_a_capped_link_delivers_a_chunk_a_packet_at_a_time(monkeypatch) -> None:
     arrivals = [proxy._arrival("up", len(s)) for s in segments]
     assert arrivals == pytest.approx([0.1015, 0.103, 0.104])  # the first packet is not held for the last
     assert NetemProxy("127.0.0.1", 1, LinkConfig(delay_s=0.1))._segments(b"x" * 4000) == [b"x" * 4000]
+
+
+def test_a_connection_held_by_its_handshake_does_not_hold_the_shared_link(monkeypatch) -> None:
+    """A new connection's first chunk, held for its handshake, booked the link until then: every
+    other connection's traffic waited behind a link that sat idle (a chunk of a streaming
+    connection 91 ms late at 50 ms delay). Held chunks still leave one after another."""
+    now = [0.0]
+    monkeypatch.setattr(netem_proxy.time, "monotonic", lambda: now[0])
+    proxy = NetemProxy("127.0.0.1", 1, LinkConfig(delay_s=0.05, rate_bps=8e6))  # 1000 bytes: 1 ms
+    new, streaming = [0.1], [0.0]  # when each may next send: the new one after its handshake
+    assert proxy._arrival("up", 1000, new) == pytest.approx(0.151)
+    assert proxy._arrival("up", 1000, new) == pytest.approx(0.152)  # behind the first, on its connection
+    assert proxy._arrival("up", 1000, streaming) == pytest.approx(0.053)  # behind the two on the link only
+
+
+def test_a_half_close_reaches_the_other_side_a_delay_after_it_was_sent() -> None:
+    """The end went through at once, ahead of the delay (and through a paused proxy)."""
+    async def main() -> float:
+        ended = asyncio.get_running_loop().create_future()
+
+        async def read_to_the_end(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while await r.read(100):
+                pass
+            ended.set_result(time.monotonic())
+            w.close()
+
+        server = await asyncio.start_server(read_to_the_end, "127.0.0.1", 0)
+        proxy = NetemProxy("127.0.0.1", server.sockets[0].getsockname()[1], LinkConfig(delay_s=0.2))
+        r, w = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        w.write(b"x")
+        await asyncio.sleep(0.8)  # past the handshake and the byte's delay
+        sent = time.monotonic()
+        w.write_eof()
+        took = await asyncio.wait_for(ended, 5) - sent
+        w.close()
+        await proxy.close()
+        server.close()
+        return took
+
+    assert asyncio.run(main()) >= 0.2

@@ -131,3 +131,14 @@ def test_the_replay_report_end_to_end_with_a_real_onnx_draft(tiny, tmp_path: Pat
     # Without the link's delay a sync round no longer waits for it.
     assert result["scenarios"]["no_delay"]["sync-4"]["speedup"] > result["scenarios"]["model"]["sync-4"]["speedup"]
     assert "| sync-4 | 2.00x |" in (tmp_path / "r.md").read_text()
+
+
+def test_a_draft_that_never_agrees_makes_async_as_slow_as_the_server_alone_at_any_pass_time() -> None:
+    """The model's clock stepped a whole millisecond: every event waited for the next one, so a
+    20.1 ms pass took 21 and a 25.4 ms draft 26, and async came out 4.6% slower than the
+    server alone (1345 against 1286 ms), where a 20.0 ms pass gave 1281 against 1280."""
+    link = rm.Link(draft_ms=25.4, one_way_ms=25.0)
+    for pass_ms in (20.0, 20.1, 20.7):
+        costs = rm.PassCosts(((1, pass_ms),))
+        agree = [False] * 65
+        assert rm.asynchronous(agree, costs, link).ms == pytest.approx(rm.none(agree, costs).ms)
