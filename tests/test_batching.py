@@ -794,7 +794,23 @@ def test_a_sync_session_whose_edge_sends_no_drafts_is_ended_once_its_time_runs_o
         assert worker._ready_at(h, t0 + 9) is None
         ended = h.outbox.get_nowait()
         assert isinstance(ended, errors.DraftsTimedOut) and ended.status == "DEADLINE_EXCEEDED"
+        # Its place and cache free at once: left to its servicer, which may be stuck writing to
+        # an edge that reads nothing, they were held for good.
+        assert "s" not in worker.sessions and worker.held() == 0
         assert worker._ready_at(h, t0 + 10) is None and h.outbox.empty()  # told once
+
+    asyncio.run(main())
+
+
+def test_a_pick_that_ends_a_sync_session_goes_on_to_the_others() -> None:
+    async def main() -> None:
+        worker = VerificationWorker(engine=_BucketShapes(), config=SchedulerConfig(sync_draft_timeout_s=5))  # type: ignore[arg-type]
+        for sid, mode in (("late", DraftMode.SYNC), ("other", DraftMode.NONE)):
+            req = OpenRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, draft_mode=mode)
+            worker.add(SessionHandle(ServerSession(req, ServerLimits(1000, 4096), sid), asyncio.Queue(maxsize=8)))
+        worker.sessions["late"].idle_since -= 10  # its time ran out
+        batch, _ = worker._pick()
+        assert [sh.handle.session.session_id for sh in batch] == ["other"] and list(worker.sessions) == ["other"]
 
     asyncio.run(main())
 

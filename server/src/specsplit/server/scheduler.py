@@ -221,7 +221,9 @@ class VerificationWorker:
 
     def _sync_ready_at(self, h: SessionHandle, now: float) -> float | None:
         """A sync session holding no drafts: looked at again when its edge's time to send them
-        runs out, then ended with DEADLINE_EXCEEDED (its servicer aborts the call and removes it)."""
+        runs out, then ended with DEADLINE_EXCEEDED (its servicer aborts the call) and removed
+        at once: left to its servicer, it held its place and cache for as long as the edge
+        read nothing (the servicer stuck writing to it, the error queued behind)."""
         ends = h.idle_since + self.config.sync_draft_timeout_s
         if now < ends:
             return ends  # not ready then either: the pick that looks then ends it
@@ -229,6 +231,7 @@ class VerificationWorker:
             h.timed_out = True
             limit = self.config.sync_draft_timeout_s
             self._put(h, errors.DraftsTimedOut(f"sync session: no drafts for {limit:g} s"))
+            self.remove(h.session.session_id)
         return None
 
     def _adaptive_ready_at(self, h: SessionHandle, now: float, available: int, limit: int) -> float:
@@ -288,7 +291,7 @@ class VerificationWorker:
         now = time.monotonic()
         soonest: float | None = None
         ready: list[SessionHandle] = []
-        for sid in self._order:
+        for sid in list(self._order):  # (a look may end a session: _sync_ready_at)
             if sid in self._in_flight:
                 continue  # its last pass's verdict is not applied yet
             h = self.sessions[sid]
