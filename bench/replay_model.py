@@ -178,7 +178,10 @@ def asynchronous(agree: Sequence[bool], costs: PassCosts, link: Link, config: Sc
             key = (available, committed)
             if planned is None or planned[0] != key:
                 alpha = acceptance_estimate(accepted_total, rejections)
-                drafts, wait_s = plan(available, config.max_verify_tokens, alpha, model, rate, config.max_wait_s)
+                # As the server: near the end a generation takes fewer drafts, and none are waited
+                # for where the last token, always the target's own, is all that is left.
+                limit = min(config.max_verify_tokens, total - committed - 1)
+                drafts, wait_s = plan(available, limit, alpha, model, rate, config.max_wait_s)
                 planned = (key, drafts, t + wait_s * 1000.0)
             if t >= planned[2]:
                 offered = min(planned[1], available)
