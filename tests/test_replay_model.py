@@ -142,3 +142,13 @@ def test_a_draft_that_never_agrees_makes_async_as_slow_as_the_server_alone_at_an
         costs = rm.PassCosts(((1, pass_ms),))
         agree = [False] * 65
         assert rm.asynchronous(agree, costs, link).ms == pytest.approx(rm.none(agree, costs).ms)
+
+
+def test_a_draft_that_always_agrees_leaves_the_server_idle_only_until_the_first_drafts_come() -> None:
+    """Near the end the model planned with the whole --max-verify-tokens, and where only the
+    last token (the target's own) was left it waited up to --max-wait-ms for drafts the edge
+    never drafts there (the server plans within the generation's room): 500 ms more idle for
+    97 tokens, none for 40 or 60."""
+    costs, link = rm.PassCosts(((1, 200.0), (8, 300.0))), rm.Link(draft_ms=42.2, one_way_ms=25.0)
+    idle = {n: rm.asynchronous([True] * n, costs, link).server_idle_ms for n in (40, 60, 97)}
+    assert len(set(idle.values())) == 1, idle
