@@ -849,8 +849,10 @@ def test_a_failed_verification_worker_stops_the_server(tiny, monkeypatch) -> Non
 
 def test_a_token_server_takes_any_case_of_bearer_and_keeps_only_the_health_check_open(tiny, tmp_path) -> None:
     """"bearer" (as HTTP's schemes, any case) was refused as missing; and Health/Watch, a
-    stream without end, was open to clients without a token (2,476 held on one connection)."""
+    stream without end, was open to clients without a token (2,476 held on one connection), as
+    reflection's stream was."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     tokens = tmp_path / "tokens"
     tokens.write_text("pi-kitchen 0123456789abcdef0123\n")
@@ -868,6 +870,14 @@ def test_a_token_server_takes_any_case_of_bearer_and_keeps_only_the_health_check
                                  metadata=[("authorization", "Bearer 0123456789abcdef0123")])
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             watch.cancel()
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            ask = [reflection_pb2.ServerReflectionRequest(list_services="")]
+            with pytest.raises(grpc.RpcError) as refused:
+                next(reflect.ServerReflectionInfo(iter(ask), timeout=10))
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            answer = next(reflect.ServerReflectionInfo(iter(ask), timeout=10,
+                                                       metadata=[("authorization", "Bearer 0123456789abcdef0123")]))
+            assert "specsplit.v1.SpecSplit" in {s.name for s in answer.list_services_response.service}
             for header in ("bearer 0123456789abcdef0123", "BEARER  0123456789abcdef0123"):
                 code, got = raw_stream(address, [open_msg(PROMPT, max_new=2)], timeout=20,
                                        metadata=[("authorization", header)])

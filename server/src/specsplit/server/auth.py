@@ -4,9 +4,10 @@ Tokens file: one `DEVICE_ID TOKEN` pair per line; blank lines and lines starting
 skipped. A token is printable ASCII (all gRPC metadata carries), at least 16 characters, a
 `#` in it as good as any other character. A call without
 an `authorization: Bearer ...` header is UNAUTHENTICATED; a token no device holds is
-PERMISSION_DENIED. A health check (Health/Check) and reflection stay open, so that probes
-and tools work; Health/Watch, a stream that never ends by itself, needs a token as
-generation does, so that no client without one can hold streams open without limit.
+PERMISSION_DENIED. A health check (Health/Check) stays open, so that probes work; Health/Watch
+and reflection, streams that end only when their client ends them, need a token as
+generation does, so that no client without one can hold streams open without limit (a tool
+such as grpcurl sends the header as any client does).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import grpc
 
 from specsplit.common.aio import within
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/Check", "/grpc.reflection.")
+OPEN_SERVICES = ("/grpc.health.v1.Health/Check",)
 
 
 def load_tokens(path: Path) -> dict[str, str]:
