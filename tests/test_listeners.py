@@ -78,6 +78,23 @@ def test_a_port_another_server_listens_on_is_refused_not_shared() -> None:
     asyncio.run(main())
 
 
+def test_a_server_on_ipv6_loopback_holds_the_port_of_ipv4_s_wildcard() -> None:
+    """gRPC binds --host 0.0.0.0 as [::], both families: the probe of 0.0.0.0 alone passed, and
+    the listeners bound beside another process's server on [::1], which then took the IPv6
+    loopback's connections."""
+    async def main() -> None:
+        other = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+        port = other.add_insecure_port("[::1]:0")
+        await other.start()
+        try:
+            with pytest.raises(BindError, match="already in use"):
+                bind_listeners(1, "0.0.0.0", port, lambda server: None)
+        finally:
+            await other.stop(None)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("port", [-1, 65536])
 def test_a_port_out_of_range_is_refused(port: int) -> None:
     with pytest.raises(OSError, match="out of range"):

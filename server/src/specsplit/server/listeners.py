@@ -45,12 +45,18 @@ def check_port_free(host: str, port: int) -> None:
         addresses = bind_addresses(host, port)
     except socket.gaierror as exc:
         raise OSError(f"cannot bind {where}: {exc.strerror}") from None
+    if bare in ("", "0.0.0.0") and socket.has_ipv6:
+        # gRPC binds IPv4's wildcard as IPv6's, both families at once: a server on [::1]
+        # alone (or an IPv6-only [::]) holds the port for it too.
+        addresses = [*addresses, (socket.AF_INET6, socket.SOCK_STREAM, 0, "", ("::", port, 0, 0))]
     bound = 0
     for family, kind, proto, _, address in addresses:
         try:
             with socket.socket(family, kind, proto) as probe:
                 # As gRPC binds: ports whose old connections linger in TIME_WAIT are free.
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # both families, as gRPC's
                 probe.bind(address)
                 bound += 1
         except OSError as exc:
