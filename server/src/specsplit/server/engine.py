@@ -208,8 +208,11 @@ class TargetEngine:
         return sessions, longest  # right-padded to the longest feed, no more
 
     def forward_shapes(self, items: Sequence[VerifyItem]) -> list[tuple[int, int]]:
-        _, feeds, groups = self.pass_plan(items)
-        return [self.padded_shape(len(group), max(feeds[i] for i in group)) for group in groups]
+        # From the feed lengths each item reckoned as it was made (its cache unchanged since),
+        # not from the caches again: the event loop asks this of every pass.
+        feeds = [it.feed_length for it in items]
+        past = [len(it.prefix) + len(it.drafts) + it.branch_tokens - feed for it, feed in zip(items, feeds)]
+        return [self.padded_shape(len(group), max(feeds[i] for i in group)) for group in self._groups(past, feeds)]
 
     split_width = 0  # a session's cache grows by one pass at a time
 
@@ -242,9 +245,12 @@ class TargetEngine:
         feeds, and the groups of items its passes take (one group under no limit)."""
         past = [it.kv.reusable(it.prefix) for it in items]
         feeds = [len(it.prefix) + len(it.drafts) + it.branch_tokens - keep for it, keep in zip(items, past)]
+        return past, feeds, self._groups(past, feeds)
+
+    def _groups(self, past: list[int], feeds: list[int]) -> list[list[int]]:
         if self.max_pass_positions is None:
-            return past, feeds, [list(range(len(items)))]
-        return past, feeds, pass_groups(past, feeds, self.max_pass_positions)
+            return [list(range(len(past)))]
+        return pass_groups(past, feeds, self.max_pass_positions)
 
     def _pass(self, items: Sequence[VerifyItem], past: list[int]) -> list[np.ndarray]:
         """verify_batch's results for `items`, in one forward pass; `past`: the positions of
