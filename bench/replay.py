@@ -171,8 +171,8 @@ def main() -> None:
                    help="a bench/gpu_passes.py result for the same target and machine (default: %(default)s)")
     p.add_argument("--draft", type=Path, default=None,
                    help="the ONNX draft directory the run used (default: the default pair's, prepared if need be)")
-    p.add_argument("--sync-k", type=at_least(1), nargs="+", default=[2, 4, 6, 8], help="drafts per round of sync "
-                   "(default: 2 4 6 8)")
+    p.add_argument("--sync-k", type=at_least(1), nargs="+", default=None, help="drafts per round of sync "
+                   "(default: the run's, else 2 4 6 8)")
     p.add_argument("--name", type=report_name,
                    help="writes NAME.json and NAME.md in --out (default: replay for the default --bench, else "
                    "replay-STEM after the --bench file's name, so a replay of another run keeps the committed one)")
@@ -191,6 +191,18 @@ def main() -> None:
         costs = pass_costs(passes)
     except ValueError as exc:
         p.error(str(exc))
+    # The model's edge and server are the defaults': a run of other settings would stand in the
+    # report beside a model of something else.
+    settings = bench.get("settings", {})
+    if settings.get("window", "auto") != "auto":
+        p.error(f"{args.bench} ran async with a fixed window of {settings['window']}; the model replays the edge's "
+                f"default (sized from the acceptance seen, at most {rm.EDGE_MAX_WINDOW})")
+    if settings.get("server_args"):
+        p.error(f"{args.bench} ran the server with `{settings['server_args']}`; the model replays serve's defaults")
+    ran = bench.get("models", {}).get("draft")
+    if args.draft is not None and ran and args.draft.resolve().name != ran:
+        p.error(f"--draft {args.draft} is not the draft {args.bench} ran ({ran})")
+    args.sync_k = args.sync_k or settings.get("sync_k") or [2, 4, 6, 8]
     rtt = args.rtt_ms if args.rtt_ms is not None else bench["network"]["rtt_ms"][0]
     nones = {r["prompt"]: r for r in bench["runs"] if r["mode"] == "none" and r["rtt_ms"] == rtt}
     drafts = [r["tokens_per_s"] for r in bench["runs"] if r["mode"] == "draft"]

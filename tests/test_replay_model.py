@@ -152,3 +152,21 @@ def test_a_draft_that_always_agrees_leaves_the_server_idle_only_until_the_first_
     costs, link = rm.PassCosts(((1, 200.0), (8, 300.0))), rm.Link(draft_ms=42.2, one_way_ms=25.0)
     idle = {n: rm.asynchronous([True] * n, costs, link).server_idle_ms for n in (40, 60, 97)}
     assert len(set(idle.values())) == 1, idle
+
+
+@pytest.mark.parametrize(("settings", "said"), [
+    ({"window": "8"}, "ran async with a fixed window of 8"),
+    ({"server_args": "--max-wait-ms 50"}, "ran the server with `--max-wait-ms 50`"),
+])
+def test_a_run_of_other_settings_than_the_model_s_is_refused(tmp_path, settings, said) -> None:
+    """Replayed with the edge's and the server's defaults whatever the run had used, the model
+    stood in the report beside figures measured of something else."""
+    bench = {"machine": {"cpu": "test", "cores": 2}, "network": {"rtt_ms": [50.0]}, "runs": [],
+             "settings": {"window": "auto", "server_args": "", **settings}}
+    passes = {"archs": {"tiny": {"passes": [{"sessions": 1, "tokens_per_session": 1, "ms_median": 500.0}]}}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    (tmp_path / "passes.json").write_text(json.dumps(passes))
+    proc = subprocess.run([sys.executable, str(BENCH / "replay.py"), "--bench", str(tmp_path / "bench.json"),
+                           "--pass-costs", str(tmp_path / "passes.json"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and said in proc.stderr
