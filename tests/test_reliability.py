@@ -934,3 +934,30 @@ def test_tls_files_gone_while_the_model_loaded_are_one_error_line(tiny, tmp_path
     engine = TargetEngine(load_model(str(tiny.target_dir)))
     with pytest.raises(BindError, match="cannot read the TLS files to serve with: .*moved.crt"):
         asyncio.run(asyncio.wait_for(serve(engine, SchedulerConfig(), ServeConfig(port=free_port(), tls=gone)), 30))
+
+
+def test_a_stream_whose_edge_stopped_reading_is_ended_once_a_write_waits_past_the_stall_timeout(tiny, tmp_path) -> None:
+    """An edge that stops reading (its flow-control window full) after a session of fewer
+    messages than fill an outbox: the session ended and left the worker, its last messages and
+    Done queued behind a write that never completed, and nothing ended the stream: its tasks
+    and buffers were held for as long as the edge kept its connection."""
+    log = tmp_path / "s.log"
+    # An echoing target: its answer, the prompt's last token again and again, runs to max_new.
+    with launch_server(tiny.target_dir, log, "--stalled-edge-timeout", "1", "--load-format", "dummy-echo") \
+            as (address, _):
+        release = threading.Event()
+
+        def requests():  # type: ignore[no-untyped-def]
+            yield open_msg(PROMPT, max_new=48)
+            release.wait(30)  # the stream stays open, never half-closed
+
+        # A window of about a kilobyte, never grown: a few dozen verdicts fill it.
+        with grpc.insecure_channel(address, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                     ("grpc.http2.bdp_probe", 0)]) as channel:
+            call = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=None)
+            responses = call(requests(), timeout=60)  # never read
+            try:
+                assert wait_for(lambda: "ended (the edge stopped reading)" in log.read_text(), 20)
+            finally:
+                release.set()
+                responses.cancel()

@@ -28,7 +28,7 @@ class Worker:
     """What the handler asks of the verification worker; it never verifies."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(outbox_size=64)
+        self.config = SimpleNamespace(outbox_size=64, stalled_edge_s=30.0)
         self.engine = SimpleNamespace(new_state=lambda prompt: KVState())
         self.sessions: dict = {}
         self.notified = 0

@@ -30,6 +30,7 @@ from specsplit.server.metrics import ServerMetrics
 from specsplit.server.pace import PaceLog
 from specsplit.server.scheduler import SessionHandle, VerificationWorker
 from specsplit.server.sources import served_name
+from specsplit.server.write_watch import WriteWatch
 from specsplit.v1 import specsplit_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class SpecSplitService:
         self.idle = IdleStreams(cfg.max_idle_streams, min(GRACE_S, cfg.idle_stream_s / 2))
         metrics.streams_idle.set_function(lambda: len(self.idle))
         self.trimmer = TrimTimer(self.idle)
+        self.writes = WriteWatch(worker.config.stalled_edge_s)
 
     async def _read(
         self, requests: AsyncIterator[bytes], conn: ServerConnection, outbox: asyncio.Queue, stream_task: asyncio.Task
@@ -174,10 +176,12 @@ class SpecSplitService:
         is the longest idle of more than max_idle_streams. A stream whose Open does not come
         within idle_stream_s ends with DEADLINE_EXCEEDED."""
         conn = ServerConnection(self.limits, uuid.uuid4().hex[:12])
+        stream_task = asyncio.current_task()
+        assert stream_task is not None
         peer = context.peer()
         device = self._device(context)
         outbox: asyncio.Queue = asyncio.Queue(maxsize=self.worker.config.outbox_size)
-        reader = asyncio.create_task(self._read(request_iterator, conn, outbox, asyncio.current_task()))
+        reader = asyncio.create_task(self._read(request_iterator, conn, outbox, stream_task))
         session: str | None = None  # the open session's id, from its Opened to its Done
         current: ServerSession | None = None  # and the session
         opened_len = resumed = 0  # the open session's, so that its log lines count the tokens it generated
@@ -245,7 +249,9 @@ class SpecSplitService:
                     self.metrics.tokens_committed.inc(len(item.tokens))
                     self.metrics.drafts_proposed.inc(item.proposed)
                     self.metrics.drafts_accepted.inc(item.accepted)
+                self.writes.begin(stream_task)
                 yield codec.server_to_pb(item)
+                self.writes.done(stream_task)
                 if isinstance(item, Done):
                     log.info("session %s from %s: done (%s): %s", session, _client(peer, device),
                              item.reason.name.lower(), _new_tokens(item.committed_length - opened_len, resumed),
@@ -258,6 +264,8 @@ class SpecSplitService:
         finally:
             reader.cancel()
             self.idle.discard(conn.stream_id)
+            if self.writes.forget(stream_task):  # only a session's messages are written
+                reason = "stalled"
             # The session whose Opened went out (a stalled one the reader left, its next Open
             # read), and the one the reader took in last (its Opened may not have gone out: an
             # Open read as the stream ended): the worker may hold either, or both be one.
@@ -379,6 +387,7 @@ async def serve(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     worker_task = asyncio.create_task(worker.run())
     lag_task = asyncio.create_task(watch_loop_lag(metrics.loop_lag))
+    watch_task = asyncio.create_task(service.writes.run())
     stop = asyncio.Event()
 
     def worker_ended(task: asyncio.Task) -> None:  # type: ignore[type-arg]
@@ -437,6 +446,7 @@ async def serve(
         service.trimmer.cancel()
         worker_task.cancel()
         lag_task.cancel()
+        watch_task.cancel()
         worker.close()
         log.info("stopped")
     if worker_task.done() and not worker_task.cancelled() and worker_task.exception() is not None:
