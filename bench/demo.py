@@ -13,10 +13,10 @@ from pathlib import Path
 
 from cli_types import at_least, core
 from orchestrate import run_edge, running_server, server_and_edge_cores
+from prepared_pair import prepared_pair
 
 from specsplit.common.export_meta import DraftExportMeta
 from specsplit.common.help_format import DefaultsHelpFormatter
-from prepared_pair import prepared_pair
 from specsplit.server.loading import resolve_dtype
 
 # The default pair agrees on most of its drafts; a target or draft with wrong weights on ~0%.

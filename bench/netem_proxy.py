@@ -106,7 +106,9 @@ class NetemProxy:
         delay. Booked on the link as it is read, so the link serves chunks in the order they
         came. `line`: its connection's [when it may next send]: the handshake's end, then its
         last chunk's leaving; a chunk held by the handshake leaves then, after the chunks held
-        before it, without holding the link idle for the other connections meanwhile."""
+        before it, without holding the link idle for the other connections meanwhile. (It is
+        booked on the link as read, not as it leaves: for a handshake's span a cap can let
+        a held chunk and others' traffic through together, where a real link would queue them.)"""
         now = time.monotonic()
         transmit = size * 8 / self.link.rate_bps if self.link.rate_bps > 0 else 0.0
         sent = max(now, self._link_free[direction]) + transmit

@@ -199,9 +199,6 @@ def main() -> None:
                 f"default (sized from the acceptance seen, at most {rm.EDGE_MAX_WINDOW})")
     if settings.get("server_args"):
         p.error(f"{args.bench} ran the server with `{settings['server_args']}`; the model replays serve's defaults")
-    ran = bench.get("models", {}).get("draft")
-    if args.draft is not None and ran and args.draft.resolve().name != ran:
-        p.error(f"--draft {args.draft} is not the draft {args.bench} ran ({ran})")
     args.sync_k = args.sync_k or settings.get("sync_k") or [2, 4, 6, 8]
     rtt = args.rtt_ms if args.rtt_ms is not None else bench["network"]["rtt_ms"][0]
     nones = {r["prompt"]: r for r in bench["runs"] if r["mode"] == "none" and r["rtt_ms"] == rtt}
@@ -219,6 +216,8 @@ def main() -> None:
     from prepared_pair import prepared_pair
 
     draft_dir = args.draft or prepared_pair().draft_dir
+    if (ran := bench.get("models", {}).get("draft")) and draft_dir.resolve().name != ran:
+        p.error(f"{args.bench} ran the draft {ran}, not {draft_dir.resolve().name}: give its directory with --draft")
     tokenizer, drafter = EdgeTokenizer(draft_dir), OnnxDrafter(draft_dir, threads=1)
     agreements = {}
     for prompt, run in tqdm(nones.items(), desc="draft agreement", unit="prompt"):

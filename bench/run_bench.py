@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also measure async with the edge drafting no branches (mode async-no-branches)")
     p.add_argument("--server-args", type=shlex.split, default=[],
                    help="extra arguments for specsplit-server serve, as one string (shell quoting applies); "
-                   "give it with = where it starts with a dash: --server-args='--fuse --max-wait-ms 50'")
+                   "give it with = where it starts with a dash: --server-args='--max-wait-ms 50 --max-verify-tokens 8'")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in <out>/<name>.partial.json, a stopped sweep's (or in <out>/<name>.json; "
                    "same settings) and measure only the missing ones. Without it an earlier <name>.json stays as it "

@@ -11,15 +11,18 @@ import contextlib
 import io
 
 from specsplit.server.cli import build_parser
+from specsplit.server.serve_checks import engine_setting_problem
 
 UNSET = object()
 PLACEHOLDER_TARGET = "\0the benchmark's target"  # compared by identity: a --target given is another str
 
 
-def serve_args_problem(server_args: list[str], own: tuple[str, ...]) -> str | None:
+def serve_args_problem(server_args: list[str], own: tuple[str, ...], device: str = "cpu") -> str | None:
     """What serve's command line refuses in `server_args`, or the first of the `own` options
     they give (abbreviated too, as argparse takes them; at serve's default value too: they come
-    after the benchmark's own and would win); None if nothing."""
+    after the benchmark's own and would win), or an engine's own setting given with the other
+    engine on `device` (serve refuses it only once started, after the benchmark's models and
+    anchors); None if nothing."""
     if any(a in ("-h", "--help") for a in server_args):
         return "--help prints serve's help instead of serving"
     # Each own option starts as UNSET, which argparse keeps unless the option is given; --target,
@@ -37,7 +40,9 @@ def serve_args_problem(server_args: list[str], own: tuple[str, ...]) -> str | No
     for flag in own:
         if getattr(given, _dest(flag)) is not (PLACEHOLDER_TARGET if flag == "--target" else UNSET):
             return f"{flag} is the benchmark's to set"
-    return None
+    settings = serve_settings(server_args)
+    settings.device = device
+    return engine_setting_problem(settings)
 
 
 def _dest(flag: str) -> str:

@@ -36,7 +36,7 @@ from specsplit.server.loading import load_model, native_bf16, resolve_dtype
 from specsplit.server.pace import PaceLog
 from specsplit.server.config import SchedulerConfig
 from specsplit.server.scheduler import PassFill, SessionHandle, VerificationWorker
-from specsplit.server.static_engine import (SESSION_BUCKETS, TOKEN_BUCKETS, StaticEngine, bucket, kv_buckets,
+from specsplit.server.static_engine import (TOKEN_BUCKETS, StaticEngine, kv_buckets,
                                             kv_buckets_by_default, pass_shapes)
 from conftest import free_port, launch_server
 from test_end_to_end import PROMPTS, reference

@@ -165,8 +165,18 @@ def test_capacity_says_so_when_its_input_is_not_a_load_test_report(tmp_path, cap
     ("--thread=4", "--threads is the benchmark's to set"),  # abbreviated: the report said 1 torch thread
     ("--device=cuda", "--device is the benchmark's to set"),
     ("--device=cpu", "--device is the benchmark's to set"),  # the default, given after the load test's own
+    # Refused by serve too, but only once it starts, after the models were built.
+    ("--static-max-len=512", "--static-max-len sizes the static engine's slots; it needs --engine static"),
 ])
 def test_the_load_test_refuses_server_args_before_it_builds_models(server_arg, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         loadtest_run.main([f"--server-arg={server_arg}"])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_engine_s_own_server_arg_is_judged_on_the_load_test_s_device() -> None:
+    """On a GPU serve's --engine auto is the static engine, whose slots --static-max-len sizes."""
+    from serve_args import serve_args_problem
+
+    assert serve_args_problem(["--static-max-len=512"], (), "cuda") is None
+    assert "it needs --engine static" in serve_args_problem(["--static-max-len=512"], (), "cpu")

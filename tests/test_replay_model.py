@@ -110,7 +110,8 @@ def test_the_replay_report_end_to_end_with_a_real_onnx_draft(tiny, tmp_path: Pat
     for _ in range(12):
         continuation.append(int(np.argmax(drafter.next_logits(seq + continuation))))
     run = {"rtt_ms": 50.0, "prompt": "code-fib", "tokens": 12, "ttft_s": 1.0, "token_ids": continuation}
-    bench = {"machine": {"cpu": "test", "cores": 2}, "network": {"rtt_ms": [50.0]}, "runs": [
+    bench = {"machine": {"cpu": "test", "cores": 2}, "network": {"rtt_ms": [50.0]},
+             "models": {"draft": tiny.draft_dir.resolve().name}, "runs": [
         {**run, "mode": "none", "elapsed_s": 12.0},
         {**run, "mode": "sync-4", "elapsed_s": 6.5},
         {"mode": "draft", "rtt_ms": None, "prompt": "code-fib", "tokens": 12, "tokens_per_s": 20.0},
@@ -131,6 +132,13 @@ def test_the_replay_report_end_to_end_with_a_real_onnx_draft(tiny, tmp_path: Pat
     # Without the link's delay a sync round no longer waits for it.
     assert result["scenarios"]["no_delay"]["sync-4"]["speedup"] > result["scenarios"]["model"]["sync-4"]["speedup"]
     assert "| sync-4 | 2.00x |" in (tmp_path / "r.md").read_text()
+    # Another draft than the run's (the default pair's, where --draft is not given) models another run.
+    bench["models"]["draft"] = "another-draft-int8-onnx"
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    refused = subprocess.run([sys.executable, str(BENCH / "replay.py"), "--bench", str(tmp_path / "bench.json"),
+                              "--pass-costs", str(tmp_path / "passes.json"), "--draft", str(tiny.draft_dir),
+                              "--out", str(tmp_path), "--name", "r2"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "ran the draft another-draft-int8-onnx, not" in refused.stderr
 
 
 def test_a_draft_that_never_agrees_makes_async_as_slow_as_the_server_alone_at_any_pass_time() -> None:

@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.server_arg:  # serve's parser only where it is installed: a load generator for --server needs none
         from serve_args import serve_args_problem
 
-        if problem := serve_args_problem(args.server_arg, OWN_SERVE_OPTIONS):
+        if problem := serve_args_problem(args.server_arg, OWN_SERVE_OPTIONS, args.device or "cpu"):
             parser.error(f"--server-arg: {problem}")
     server_cores, client_cores = split_cores(args.server_cores, args.client_cores, started=server is None)
     args.out_dir.mkdir(parents=True, exist_ok=True)

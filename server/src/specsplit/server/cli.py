@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(at least {MIN_MESSAGE_BYTES})")
     s.add_argument("--grace", type=float, default=ServeConfig.grace_s, help="seconds open sessions get to finish on SIGTERM")
     s.add_argument("--stalled-edge-timeout", type=float, default=SchedulerConfig.stalled_edge_s,
-                   help="seconds an edge may leave its verdicts unread before its session is ended")
+                   help="seconds an edge may leave its verdicts unread before its session is ended (a full "
+                   "outbox), or a write to it may wait before its stream is ended")
     s.add_argument("--sync-draft-timeout", type=float, default=SchedulerConfig.sync_draft_timeout_s,
                    help="seconds a sync session's edge may send no drafts (after its Open or its last verdict) "
                    "before the session ends with DEADLINE_EXCEEDED: its server takes no step without them")

@@ -146,7 +146,8 @@ class Engine(Protocol):
     def forward_shapes(self, items: Sequence[VerifyItem]) -> list[tuple[int, int]]:
         """(rows, tokens per row) of each forward pass verify_batch(items) runs, in order, its
         feeds split as the items say: one but where it feeds a long prompt ahead or splits an
-        outsize cache (forward_passes)."""
+        outsize cache (forward_passes). From the items' feed lengths alone, not their caches:
+        the scheduler asks on its event loop, while the target's thread may run a pass."""
         ...
 
     @property

@@ -84,7 +84,9 @@ class ServerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),  # a GPU server's passes hold hundreds
         )
         self.batch_tokens = Histogram(
-            "specsplit_verification_batch_tokens", "Tokens per target pass, padding included", registry=r,
+            "specsplit_verification_batch_tokens",
+            "Tokens per forward pass of the target, padding included (a batch fed as several passes, a long prompt "
+            "ahead or a cache split, counts each)", registry=r,
             buckets=(1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
         )
         # Everything the server does for its streams waits in the event loop's queue: a late

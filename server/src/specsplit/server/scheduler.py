@@ -230,8 +230,8 @@ class VerificationWorker:
         if not h.timed_out:
             h.timed_out = True
             limit = self.config.sync_draft_timeout_s
-            self._put(h, errors.DraftsTimedOut(f"sync session: no drafts for {limit:g} s"))
-            self.remove(h.session.session_id)
+            if self._put(h, errors.DraftsTimedOut(f"sync session: no drafts for {limit:g} s")):
+                self.remove(h.session.session_id)  # (no room: _put left it to its servicer, as a stalled one)
         return None
 
     def _adaptive_ready_at(self, h: SessionHandle, now: float, available: int, limit: int) -> float:
@@ -547,8 +547,10 @@ class VerificationWorker:
     def _hand(self, batch: list[Share]) -> HandedPass:
         """`batch`'s pass, handed to the target's thread."""
         items = [sh.item for sh in batch]
+        # Read before the pass is handed over: nothing of the items is read while it runs.
+        padded = [rows * width for rows, width in self.engine.forward_shapes(items)]
         running = asyncio.get_running_loop().run_in_executor(self._pool, self._timed_pass, items)
-        return HandedPass(batch, items, running, [rows * width for rows, width in self.engine.forward_shapes(items)])
+        return HandedPass(batch, items, running, padded)
 
     def _timed_pass(self, items: list[VerifyItem]) -> tuple[list, float, int]:  # type: ignore[type-arg]
         """The engine's results, its time for them, timed in the target's thread (the event

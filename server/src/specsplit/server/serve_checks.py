@@ -104,14 +104,23 @@ def check_dates(cert: str) -> None:
                          f"(this machine's clock says {now:%Y-%m-%d %H:%M} UTC): clients would refuse it until then")
 
 
+def engine_setting_problem(args: argparse.Namespace) -> str | None:
+    """The first of one engine's own settings that `args` give with the other engine (which
+    would ignore it without a word), as serve's refusal says it; None if none."""
+    engine = resolve_engine(args.engine, args.device)
+    for name, (own, what) in ENGINE_OWN.items():
+        if getattr(args, name) and engine != own:
+            return f"{_flag(name)} {what}; it needs --engine {own}"
+    return None
+
+
 def check_serve_args(args: argparse.Namespace) -> tuple[SchedulerConfig, ServeConfig]:
     """The configs `serve` runs with; ValueError (or OSError, for files and ports) naming the
     first setting it cannot run with. A --tokens-file is read here, once: a pipe can be read
     only once."""
+    if problem := engine_setting_problem(args):
+        raise ValueError(problem)
     engine = resolve_engine(args.engine, args.device)
-    for name, (own, what) in ENGINE_OWN.items():
-        if getattr(args, name) and engine != own:
-            raise ValueError(f"{_flag(name)} {what}; it needs --engine {own}")
     for name, default in ENGINE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)

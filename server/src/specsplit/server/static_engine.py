@@ -237,12 +237,13 @@ class StaticEngine:
 
     def forward_shapes(self, items: Sequence[VerifyItem]) -> list[tuple[int, int]]:
         # As verify_batch runs them: the leads in pieces of the widest bucket, then the main pass.
+        # Only the feeds themselves, never `it.kv`: the scheduler asks on its event loop.
         width, step = self._row_width(items), TOKEN_BUCKETS[-1]
         mains = [min(it.feed_length, it.pieces * width) for it in items]
-        leads = [it.feed_length - main for it, main in zip(items, mains)]
+        leads = [lead for it, main in zip(items, mains) if (lead := it.feed_length - main) > 0]  # few: prompts
         early = [self.padded_shape(sum(lead > offset for lead in leads),
                                    max(min(step, lead - offset) for lead in leads if lead > offset))
-                 for offset in range(0, max(leads), step)]
+                 for offset in range(0, max(leads, default=0), step)]
         return [*early, self.padded_shape(sum(-(-main // width) for main in mains), width)]
 
     def _inputs(self, b: int, f: int) -> dict:
