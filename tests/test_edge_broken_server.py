@@ -79,3 +79,31 @@ def test_a_server_that_breaks_the_protocol_fails_the_generation_saying_how(messa
 def test_a_server_keeping_to_the_protocol_is_served_by_the_same_script() -> None:
     """The script's own control: an Opened, a verdict of the two tokens asked for, a Done."""
     asyncio.run(_generate("none", _opened(), _verdict(5, 6), codec.server_to_pb(Done(DoneReason.LENGTH, len(PROMPT) + 2))))
+
+
+def test_the_edge_command_line_ends_on_a_broken_server_with_the_server_s_exit_status(tiny) -> None:
+    """1, as for a lost server, not 2, which says the user's own settings were refused."""
+    import subprocess
+    import sys
+    import threading
+
+    loop, ready = asyncio.new_event_loop(), threading.Event()
+    served: dict = {}
+
+    def serve() -> None:
+        served["server"], served["address"] = loop.run_until_complete(fake_server(_sending(_opened(max_lookahead=0))))
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "specsplit.edge.cli", "generate", "--server", served["address"],
+                               "--draft", str(tiny.draft_dir), "--mode", "none", "--retries", "0", "hello"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        asyncio.run_coroutine_threadsafe(served["server"].stop(None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+    assert proc.returncode == 1 and "error: the server's Opened allows a lookahead of 0" in proc.stderr, proc.stderr

@@ -279,7 +279,7 @@ class Attempt:
                 self._changed.set()
                 return
             else:  # it was ignored, and the session went on as if the server kept to the protocol
-                raise errors.ProtocolError(f"the server sent a second {type(event).__name__} in one session")
+                raise errors.ServerBrokeProtocol(f"the server sent a second {type(event).__name__} in one session")
             self._changed.set()
 
     async def _wait_change(self) -> None:

@@ -40,7 +40,7 @@ from specsplit.edge.drafter import BRANCHES as MAX_BRANCHES, OnnxDrafter
 from specsplit.edge.retry import MAX_BACKOFF_S, pushback_of, retry_span
 from specsplit.edge.stream import GenerateStream
 from specsplit.edge.tokenizer import TEMPLATE_FAILED, EdgeTokenizer
-from specsplit.protocol.errors import ProtocolError
+from specsplit.protocol.errors import ProtocolError, ServerBrokeProtocol
 from specsplit.protocol.messages import MAX_CHUNK, MAX_DIST_IDS, MAX_STOP_IDS, SamplingParams, VerificationMode
 
 VERIFICATION = {"greedy": VerificationMode.GREEDY, "match": VerificationMode.MATCH, "sparse-q": VerificationMode.SPARSE_Q}
@@ -453,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     except (grpc.aio.AioRpcError, StreamStalled) as exc:
         print(f"error: {exc.code().name}: {exc.details()}{_hint(exc.details() or '', args)}", file=sys.stderr)
         return 1
-    except ConnectionError as exc:  # the stream ended before its Done, retries spent (an OSError: caught first)
+    # The stream ended before its Done, retries spent (an OSError: caught first); or the server
+    # broke the protocol: the server's failure, as a lost one is, not a setting of the user's.
+    except (ConnectionError, ServerBrokeProtocol) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except (OSError, ValueError, ProtocolError) as exc:  # files, the draft export, settings the server's rules refuse

@@ -4,7 +4,7 @@ The only module of the core that knows about protobuf; transports call it at the
 """
 from __future__ import annotations
 
-from specsplit.protocol.errors import InvalidOpen, MalformedMessage, ProtocolError
+from specsplit.protocol.errors import InvalidOpen, MalformedMessage, ProtocolError, ServerBrokeProtocol
 from specsplit.protocol.messages import (
     Close,
     Done,
@@ -132,7 +132,7 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
     if kind == "verdict":
         v = msg.verdict
         if not v.tokens:  # every verification commits the target's own token at least
-            raise ProtocolError(f"the server's verdict at {v.start} commits no token")
+            raise ServerBrokeProtocol(f"the server's verdict at {v.start} commits no token")
         return Verdict(
             start=v.start,
             tokens=tuple(v.tokens),
@@ -150,12 +150,12 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
     if kind == "done":
         # A reason from a newer server is the server's break of this edge's protocol, as an
         # unknown message is: a ProtocolError, which the edge's callers handle, not a bare ValueError.
-        reason = _enum(DoneReason, msg.done.reason, "done reason", ProtocolError)
+        reason = _enum(DoneReason, msg.done.reason, "done reason", ServerBrokeProtocol)
         return Done(reason, msg.done.committed_length, msg.done.target_busy_s)
     if kind == "opened":
         o = msg.opened
         if o.max_lookahead < 1 or o.max_context < 2:
-            raise ProtocolError(f"the server's Opened allows a lookahead of {o.max_lookahead} and a context of "
+            raise ServerBrokeProtocol(f"the server's Opened allows a lookahead of {o.max_lookahead} and a context of "
                                 f"{o.max_context} tokens: no generation fits")
         return Opened(o.session_id, o.target_model, o.max_context, o.max_lookahead, o.vocab_size)
-    raise ProtocolError("server message carries none of opened, verdict, done")
+    raise ServerBrokeProtocol("server message carries none of opened, verdict, done")

@@ -68,17 +68,21 @@ class BeyondLookahead(ProtocolError):
     status = "OUT_OF_RANGE"
 
 
-class VerdictOutOfOrder(ProtocolError):
-    """The edge got a verdict that does not start at its committed point (server bug)."""
+class ServerBrokeProtocol(ProtocolError):
+    """The edge got from its server what the protocol does not allow (a server bug, or a
+    server of another build): the server's failure, not the caller's settings, and not
+    retried, since a server that breaks the protocol would break it again."""
 
     status = "INTERNAL"
 
 
-class NotOpenedFirst(ProtocolError):
-    """The server's first message for a session was not its Opened (server bug): a server
-    that breaks the protocol would break it again, so the edge does not retry it."""
+class VerdictOutOfOrder(ServerBrokeProtocol):
+    """A verdict that does not start at the edge's committed point, or that commits past the
+    generation's end."""
 
-    status = "INTERNAL"
+
+class NotOpenedFirst(ServerBrokeProtocol):
+    """The server's first message for a session was not its Opened."""
 
 
 class ServerBusy(ProtocolError):
