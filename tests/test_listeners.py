@@ -58,39 +58,26 @@ def test_listeners_must_be_at_least_one() -> None:
         ServeConfig(listeners=0)
 
 
-def test_a_port_another_server_listens_on_is_refused_not_shared() -> None:
+# (its address, ours): the same; or ours IPv4's wildcard, which gRPC binds as IPv6's, both families
+# at once, so that a server on [::1] alone holds the port for it too (the probe of 0.0.0.0 alone
+# passed, and the listeners bound beside it, taking a share of the IPv6 loopback's connections).
+@pytest.mark.parametrize(("theirs", "ours"), [("127.0.0.1", "127.0.0.1"), ("[::1]", "0.0.0.0")])
+def test_a_port_another_server_listens_on_is_refused_not_shared(theirs: str, ours: str) -> None:
     """gRPC binds with SO_REUSEPORT, with which a second server could take a share of the
     first one's connections without a word; binding must fail instead."""
     async def main() -> None:
         other = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-        port = other.add_insecure_port("127.0.0.1:0")
+        port = other.add_insecure_port(f"{theirs}:0")
         await other.start()
         try:
             # BindError, which serve answers with one line: taken since the start's check, as
             # the model loaded, it was a traceback.
             with pytest.raises(BindError, match="already in use"):
-                bind_listeners(1, "127.0.0.1", port, lambda server: None)
+                bind_listeners(1, ours, port, lambda server: None)
         finally:
             await other.stop(None)
-        servers, bound = bind_listeners(2, "127.0.0.1", port, lambda server: None)  # free again
+        servers, bound = bind_listeners(2, ours, port, lambda server: None)  # free again
         assert bound == port and len(servers) == 2
-
-    asyncio.run(main())
-
-
-def test_a_server_on_ipv6_loopback_holds_the_port_of_ipv4_s_wildcard() -> None:
-    """gRPC binds --host 0.0.0.0 as [::], both families: the probe of 0.0.0.0 alone passed, and
-    the listeners bound beside another process's server on [::1], which then took the IPv6
-    loopback's connections."""
-    async def main() -> None:
-        other = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
-        port = other.add_insecure_port("[::1]:0")
-        await other.start()
-        try:
-            with pytest.raises(BindError, match="already in use"):
-                bind_listeners(1, "0.0.0.0", port, lambda server: None)
-        finally:
-            await other.stop(None)
 
     asyncio.run(main())
 
