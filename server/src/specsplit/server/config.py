@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from specsplit.server.listeners import MAX_MESSAGE_BYTES
+from specsplit.server.listeners import MAX_MESSAGE_BYTES, WILDCARD_HOSTS
 
 IDLE_POLICIES = ("adaptive", "ar", "wait")
 # Free places a session's outbox needs before a pass takes it: the pass's Verdict and Done,
@@ -16,8 +16,6 @@ IDLE_POLICIES = ("adaptive", "ar", "wait")
 OUTBOX_ROOM = 3
 # The least --max-message-bytes: an Open of a short prompt and the server's Opened fit well within it.
 MIN_MESSAGE_BYTES = 1024
-# Hosts that bind every address of the machine (an empty one too, as socket binds it).
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 class ConfigError(ValueError):

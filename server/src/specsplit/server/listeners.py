@@ -19,6 +19,8 @@ from specsplit.common.address import bracketed
 
 # gRPC's message size options are C ints.
 MAX_MESSAGE_BYTES = 2**31 - 1
+# Hosts that bind every address of the machine (an empty one too, as socket binds it).
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 class BindError(OSError):
@@ -45,9 +47,9 @@ def check_port_free(host: str, port: int) -> None:
         addresses = bind_addresses(host, port)
     except socket.gaierror as exc:
         raise OSError(f"cannot bind {where}: {exc.strerror}") from None
-    if bare in ("", "0.0.0.0") and socket.has_ipv6:
-        # gRPC binds IPv4's wildcard as IPv6's, both families at once: a server on [::1]
-        # alone (or an IPv6-only [::]) holds the port for it too.
+    if bare in WILDCARD_HOSTS and socket.has_ipv6:
+        # gRPC binds a wildcard as IPv6's, both families at once: a server on [::1] alone (or
+        # an IPv6-only [::]) holds the port for IPv4's wildcard too.
         addresses = [*addresses, (socket.AF_INET6, socket.SOCK_STREAM, 0, "", ("::", port, 0, 0))]
     bound = 0
     for family, kind, proto, _, address in addresses:

@@ -32,14 +32,13 @@ class WriteWatch:
             return True
         return False
 
-    def end_stalled(self, now: float) -> int:
-        """Cancel every stream whose write has waited longer than the limit; how many."""
+    def end_stalled(self, now: float) -> None:
+        """Cancel every stream whose write has waited longer than the limit."""
         stalled = [task for task, since in self._since.items() if now - since > self.limit_s]
         for task in stalled:
             del self._since[task]
             self._ended.add(task)
             task.cancel()
-        return len(stalled)
 
     async def run(self) -> None:
         while True:

@@ -155,7 +155,7 @@ def server_from_pb(msg: pb.ServerMessage) -> ServerEvent:
     if kind == "opened":
         o = msg.opened
         if o.max_lookahead < 1 or o.max_context < 2:
-            raise ServerBrokeProtocol(f"the server's Opened allows a lookahead of {o.max_lookahead} and a context of "
-                                f"{o.max_context} tokens: no generation fits")
+            raise ServerBrokeProtocol(f"the server's Opened allows a lookahead of {o.max_lookahead} and a "
+                                      f"context of {o.max_context} tokens: no generation fits")
         return Opened(o.session_id, o.target_model, o.max_context, o.max_lookahead, o.vocab_size)
     raise ServerBrokeProtocol("server message carries none of opened, verdict, done")
